@@ -1,0 +1,29 @@
+# `make test` and `make demo` each set themselves up from nothing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test test-fast demo clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+demo: $(STAMP)
+	$(PY) tools/train.py --config configs/demo_shapes_cpu.yaml
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
