@@ -254,8 +254,12 @@ def _valid_keys(schema: Any, prefix: str = "") -> List[str]:
     return keys
 
 
-def _unknown_key_error(key: str) -> ConfigError:
+def _unknown_key_error(key: str, schema: Any = None, prefix: str = "") -> ConfigError:
+    """An error naming ``key`` and the nearest valid key (``schema`` is the section that
+    lacks it, ``prefix`` that section's dotted name)."""
     valid = _valid_keys(Config())
+    if schema is not None and prefix.endswith("]."):  # an item of a list of sections
+        valid = [prefix + k for k in _valid_keys(schema)]
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if not close:
         # Compare the last component within the same section too.
@@ -275,7 +279,7 @@ def _check_keys(data: Any, schema: Any, prefix: str, source: str) -> None:
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            err = _unknown_key_error(dotted)
+            err = _unknown_key_error(dotted, schema, prefix)
             raise ConfigError(f"{source}: {err}")
         sub = getattr(schema, key)
         if dataclasses.is_dataclass(sub):
@@ -342,6 +346,59 @@ def _merge(base: Any, data: dict, source: str) -> Any:
         raise ConfigError(f"{source}: bad value for config key '{key}': {msg}") from None
 
 
+_CHOICES = {
+    "model.backbone": ("resnet18", "resnet34", "resnet50", "resnet101"),
+    "model.norm": ("frozen_bn", "bn", "syncbn", "gn"),
+    "data.format": ("coco", "voc", "shapes"),
+    "solver.optimizer": ("sgd", "adamw"),
+    "solver.schedule": ("multistep", "cosine"),
+    "train.amp.dtype": ("float16", "bfloat16"),
+    "eval.backend": ("pycocotools", "faster"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate_config(cfg: Config) -> None:
+    """Check values the type system cannot: choices, ranges, consistent lengths."""
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"config key '{key}' is {value!r}; expected one of {', '.join(choices)}")
+    if cfg.model.num_classes < 1:
+        raise ConfigError(f"config key 'model.num_classes' must be >= 1 (classes without background), got {cfg.model.num_classes}")
+    if not 0 <= cfg.model.freeze_at <= 5:
+        raise ConfigError(f"config key 'model.freeze_at' must be in 0..5, got {cfg.model.freeze_at}")
+    if len(cfg.model.pixel_mean) != 3 or len(cfg.model.pixel_std) != 3:
+        raise ConfigError("config keys 'model.pixel_mean' and 'model.pixel_std' need 3 values (RGB)")
+    if any(s <= 0 for s in cfg.model.pixel_std):
+        raise ConfigError(f"config key 'model.pixel_std' must be positive, got {cfg.model.pixel_std}")
+    if not cfg.model.return_stages or any(s not in (1, 2, 3, 4) for s in cfg.model.return_stages):
+        raise ConfigError(f"config key 'model.return_stages' takes stages from 1..4, got {cfg.model.return_stages}")
+    n_levels = len(cfg.model.return_stages) + 1  # + the max-pool level
+    if len(cfg.model.anchors.sizes) != n_levels:
+        raise ConfigError(
+            f"config key 'model.anchors.sizes' has {len(cfg.model.anchors.sizes)} levels but the FPN gives "
+            f"{n_levels} (model.return_stages + 1 pooled level)"
+        )
+    for key in ("rpn.positive_fraction", "roi_heads.positive_fraction"):
+        if not 0.0 < _get(cfg, key) <= 1.0:
+            raise ConfigError(f"config key '{key}' must be in (0, 1], got {_get(cfg, key)}")
+    p = cfg.rpn.positive_weight
+    if not (p == -1.0 or 0.0 < p < 1.0):
+        raise ConfigError(f"config key 'rpn.positive_weight' must be -1 (uniform) or in (0, 1), got {p}")
+    if cfg.solver.lr <= 0:
+        raise ConfigError(f"config key 'solver.lr' must be positive, got {cfg.solver.lr}")
+    if cfg.solver.images_per_gpu < 1:
+        raise ConfigError(f"config key 'solver.images_per_gpu' must be >= 1, got {cfg.solver.images_per_gpu}")
+    if not cfg.input.min_size_train:
+        raise ConfigError("config key 'input.min_size_train' needs at least one size")
+
+
 # --------------------------------------------------------------------------- public
 
 
@@ -374,9 +431,11 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Li
         _check_keys(nested, schema, "", "override")
         cfg = _merge(cfg, nested, f"override '{item}'")
     try:
-        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+        out: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:  # e.g. a missing mandatory value
         raise ConfigError(str(exc).splitlines()[0]) from None
+    validate_config(out)
+    return out
 
 
 def config_to_dict(cfg: Config) -> dict:
