@@ -1,0 +1,179 @@
+"""Data set checker (``tools/check_dataset.py``): reads annotations without stopping at the
+first problem, decodes every image, and reports counts and findings.
+
+Errors (exit status 1): an unreadable annotation file, duplicate image ids, unknown
+image or category ids, malformed boxes, boxes with non-positive size, wholly outside
+their image or extending more than ``PAST_EDGE_TOLERANCE`` px past its edge, missing or
+undecodable image files, and images whose decoded size differs from the annotation.
+Information only: images without annotations, crowd and difficult counts, histograms.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from detector.config import Config
+
+from .datasets import VOC_CLASSES, DataError, ImageRecord, Issues, load_image, parse_coco, parse_voc
+
+logger = logging.getLogger(__name__)
+
+SIZE_BINS = (0, 128, 256, 384, 512, 640, 800, 1024, 1333)  # sqrt(w * h) of images, pixels
+ASPECT_BINS = (0.0, 0.5, 0.75, 1.0, 1.333, 2.0)  # w / h
+MAX_LISTED = 20  # findings printed per kind
+
+
+@dataclass
+class CheckReport:
+    source: str
+    num_images: int = 0
+    num_boxes: int = 0
+    per_class: Dict[str, int] = field(default_factory=dict)
+    num_crowd: int = 0
+    num_difficult: int = 0
+    images_without_annotations: int = 0
+    degenerate_boxes: int = 0
+    outside_boxes: int = 0
+    past_edge_boxes: int = 0
+    missing_files: List[str] = field(default_factory=list)
+    unreadable_files: List[str] = field(default_factory=list)
+    errors: List[str] = field(default_factory=list)  # every error message, in order found
+    size_hist: Dict[str, int] = field(default_factory=dict)
+    aspect_hist: Dict[str, int] = field(default_factory=dict)
+    box_size_hist: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _histogram(values: Sequence[float], edges: Sequence[float], fmt: str = "{:g}") -> Dict[str, int]:
+    labels = [f"[{fmt.format(a)}, {fmt.format(b)})" for a, b in zip(edges[:-1], edges[1:])] + [f">= {fmt.format(edges[-1])}"]
+    counts = Counter()
+    for v in values:
+        i = sum(1 for e in edges[1:] if v >= e)
+        counts[labels[i]] += 1
+    return {lab: counts.get(lab, 0) for lab in labels}
+
+
+def _records_for(cfg: Config, split: str, issues: Issues) -> Tuple[List[ImageRecord], List[str], str]:
+    data = cfg.data
+    sc = getattr(data, split)
+    if data.format == "coco":
+        records, names, _, _ = parse_coco(sc.ann_file, sc.root, issues)
+        return records, names, sc.ann_file
+    if data.format == "voc":
+        names = list(data.class_names) or list(VOC_CLASSES)
+        return parse_voc(sc.root, sc.split or split, names, issues), names, f"{sc.root} ({sc.split or split})"
+    if data.format == "shapes":
+        name = sc.split or split
+        ann_file = sc.ann_file or os.path.join(sc.root, f"{name}.json")
+        records, names, _, _ = parse_coco(ann_file, os.path.join(sc.root, name), issues)
+        return records, names, ann_file
+    raise ValueError(f"data.format must be coco, voc or shapes, got {data.format!r}")
+
+
+def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> CheckReport:
+    """Check ``cfg.data.<split>``; never raises on bad data, reports it instead."""
+    issues = Issues(strict=False, log_skips=False)
+    try:
+        records, class_names, source = _records_for(cfg, split, issues)
+    except (DataError, FileNotFoundError, OSError) as exc:
+        report = CheckReport(source=str(getattr(cfg.data, split).ann_file or getattr(cfg.data, split).root))
+        report.errors.append(str(exc))
+        return report
+    report = CheckReport(source=source, num_images=len(records))
+    report.errors.extend(issues.errors)
+    report.degenerate_boxes = issues.skipped.get("degenerate", 0)
+    report.outside_boxes = issues.skipped.get("outside", 0)
+    report.past_edge_boxes = len(issues.past_edge)
+    report.errors.extend(m for m in issues.skip_messages)
+    report.errors.extend(issues.past_edge)
+
+    per_class: Counter = Counter()
+    box_sizes = []
+    for r in records:
+        report.num_boxes += len(r.labels)
+        report.num_crowd += int(r.iscrowd.sum())
+        report.num_difficult += int(r.difficult.sum())
+        if len(r.labels) == 0:
+            report.images_without_annotations += 1
+        for lab in r.labels.tolist():
+            per_class[class_names[lab - 1]] += 1
+        box_sizes.extend(((r.boxes[:, 2] - r.boxes[:, 0]) * (r.boxes[:, 3] - r.boxes[:, 1])).tolist())
+        if decode:
+            try:
+                image = load_image(r.path, r.image_id)
+            except FileNotFoundError as exc:
+                report.missing_files.append(r.path)
+                report.errors.append(str(exc))
+                continue
+            except DataError as exc:
+                report.unreadable_files.append(r.path)
+                report.errors.append(str(exc))
+                continue
+            if image.shape[:2] != (r.height, r.width):
+                report.errors.append(f"image file {r.path} (image_id {r.image_id}) is {image.shape[1]}x{image.shape[0]} "
+                                     f"but its annotation says {r.width}x{r.height}")
+        elif not os.path.isfile(r.path):
+            report.missing_files.append(r.path)
+            report.errors.append(f"image file {r.path} (image_id {r.image_id}) not found")
+    report.per_class = {name: per_class.get(name, 0) for name in class_names}
+    report.size_hist = _histogram([math.sqrt(r.width * r.height) for r in records], SIZE_BINS)
+    report.aspect_hist = _histogram([r.width / r.height for r in records], ASPECT_BINS)
+    report.box_size_hist = {
+        "small (< 32^2)": sum(1 for a in box_sizes if a < 32**2),
+        "medium": sum(1 for a in box_sizes if 32**2 <= a < 96**2),
+        "large (>= 96^2)": sum(1 for a in box_sizes if a >= 96**2),
+    }
+    return report
+
+
+def format_report(report: CheckReport) -> str:
+    """Human-readable report text."""
+    lines = [f"data set: {report.source}",
+             f"images: {report.num_images}   boxes: {report.num_boxes} (crowd {report.num_crowd}, "
+             f"difficult {report.num_difficult})   images without annotations: {report.images_without_annotations}"]
+    if report.per_class:
+        lines.append("boxes per class:")
+        width = max(len(n) for n in report.per_class)
+        lines += [f"  {name:<{width}}  {count}" for name, count in report.per_class.items()]
+    for title, hist in (("image size sqrt(w*h)", report.size_hist), ("aspect ratio w/h", report.aspect_hist),
+                        ("box area", report.box_size_hist)):
+        if hist:
+            lines.append(f"{title}: " + ", ".join(f"{k}: {v}" for k, v in hist.items()))
+    lines.append(f"degenerate boxes: {report.degenerate_boxes}   boxes outside the image: {report.outside_boxes}   "
+                 f"boxes past the edge: {report.past_edge_boxes}")
+    lines.append(f"missing image files: {len(report.missing_files)}   unreadable image files: {len(report.unreadable_files)}")
+    if report.errors:
+        lines.append(f"ERRORS: {len(report.errors)}")
+        lines += [f"  {m}" for m in report.errors[:MAX_LISTED]]
+        if len(report.errors) > MAX_LISTED:
+            lines.append(f"  ... and {len(report.errors) - MAX_LISTED} more")
+    else:
+        lines.append("OK: no errors found")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``tools/check_dataset.py --config C [--split train] [key=value ...]``; returns the exit status."""
+    import argparse
+
+    from detector.config import load_config
+
+    parser = argparse.ArgumentParser(description="Check a detection data set named by a config.")
+    parser.add_argument("--config", required=True, help="YAML config")
+    parser.add_argument("--split", default="train", choices=["train", "val"])
+    parser.add_argument("--no-decode", action="store_true", help="only check that image files exist")
+    parser.add_argument("overrides", nargs="*", help="config overrides key=value")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    report = check_dataset(cfg, args.split, decode=not args.no_decode)
+    print(format_report(report))
+    return 0 if report.ok else 1

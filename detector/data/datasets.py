@@ -1,0 +1,590 @@
+"""Detection data sets: COCO (instances JSON) and PASCAL VOC (VOCdevkit XML).
+
+Both read their annotations once, at construction, into one ``ImageRecord`` per image
+(boxes already in the project's convention: ``[x1, y1, x2, y2]`` float32 absolute pixels,
+continuous coordinates, x2 > x1, no "+1"), and decode the image file only in
+``__getitem__``. The generated shapes set is written in COCO format and read by
+``CocoDetection``.
+
+Bad-input policy (see docs/data.md):
+
+- errors (``DataError``, a ``ValueError``, or ``FileNotFoundError``; one line naming the
+  file, field, index or id): a missing or undecodable annotation file, invalid JSON, a
+  missing top-level key, an ``image_id`` that appears twice, an annotation whose
+  ``image_id`` or ``category_id`` is unknown, a malformed ``bbox``, a VOC object with a class
+  name outside ``class_names``, a missing/truncated/corrupt image file (raised when the
+  item is loaded), a decoded image whose size differs from the metadata, and a data set
+  that is empty after filtering;
+- counted, logged skips (a warning naming the annotation id, counted in
+  ``dataset.skipped``): boxes with non-positive width or height and boxes wholly outside
+  their image. Boxes partly outside are clipped to the image (counted in ``skipped["clipped"]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import re
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+
+logger = logging.getLogger(__name__)
+
+# The 20 PASCAL VOC classes, in the usual order (used when data.class_names is empty).
+VOC_CLASSES: Tuple[str, ...] = (
+    "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
+    "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
+    "train", "tvmonitor",
+)  # fmt: skip
+
+
+# A box may extend this far (pixels) past the image edge before the checker calls it faulty
+# (the data set clips any overshoot).
+PAST_EDGE_TOLERANCE = 1.0
+
+
+class DataError(ValueError):
+    """Bad input data (annotation file, image file, or a data set empty after filtering)."""
+
+
+# transforms(image HWC uint8, boxes [N,4] float32, labels [N] int64)
+#   -> (image [3,H',W'] uint8 tensor, boxes [M,4] float32 tensor, labels [M] int64 tensor)
+Transform = Callable[[np.ndarray, np.ndarray, np.ndarray], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class ImageRecord:
+    """One image and its raw annotations in original-image pixel coordinates."""
+
+    image_id: int
+    path: str
+    width: int
+    height: int
+    boxes: np.ndarray  # float32 [N, 4] xyxy, clipped to the image
+    labels: np.ndarray  # int64 [N], 1..K
+    iscrowd: np.ndarray  # bool [N]
+    difficult: np.ndarray  # bool [N]
+    ann_ids: np.ndarray  # int64 [N], annotation ids (VOC: running index within the set)
+    areas: np.ndarray  # float32 [N], area for COCO size buckets (pixels^2)
+
+
+@dataclass
+class Issues:
+    """Problems found while parsing annotations.
+
+    With ``strict=True`` an error raises ``DataError`` at once (the dataset's behaviour);
+    with ``strict=False`` errors are collected (the checker's behaviour). Skips are always
+    counted and logged.
+    """
+
+    strict: bool = True
+    errors: List[str] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+    skip_messages: List[str] = field(default_factory=list)
+    log_skips: bool = True
+    past_edge: List[str] = field(default_factory=list)  # clipped by more than PAST_EDGE_TOLERANCE
+
+    def error(self, message: str) -> None:
+        if self.strict:
+            raise DataError(message)
+        self.errors.append(message)
+
+    def skip(self, kind: str, message: str) -> None:
+        self.skipped[kind] += 1
+        self.skip_messages.append(message)
+        if self.log_skips:
+            logger.warning("%s", message)
+
+
+def _empty_record_arrays(n: int = 0) -> Dict[str, np.ndarray]:
+    return {
+        "boxes": np.zeros((n, 4), np.float32),
+        "labels": np.zeros((n,), np.int64),
+        "iscrowd": np.zeros((n,), bool),
+        "difficult": np.zeros((n,), bool),
+        "ann_ids": np.zeros((n,), np.int64),
+        "areas": np.zeros((n,), np.float32),
+    }
+
+
+def check_box(
+    box: Sequence[float], width: int, height: int, where: str, issues: Issues
+) -> Optional[Tuple[float, float, float, float]]:
+    """Validate one xyxy box against its image; return it clipped, or None when skipped.
+
+    ``where`` names the annotation (e.g. "annotations.json: annotation id 7") in messages.
+    """
+    x1, y1, x2, y2 = (float(v) for v in box)
+    if not all(np.isfinite([x1, y1, x2, y2])):
+        issues.skip("degenerate", f"{where}: box {[x1, y1, x2, y2]} is not finite; skipped")
+        return None
+    if x2 <= x1 or y2 <= y1:
+        issues.skip("degenerate", f"{where}: box has non-positive width or height ({x2 - x1:g} x {y2 - y1:g}); skipped")
+        return None
+    if x1 >= width or y1 >= height or x2 <= 0 or y2 <= 0:
+        issues.skip(
+            "outside",
+            f"{where}: box [{x1:g}, {y1:g}, {x2:g}, {y2:g}] lies wholly outside the {width}x{height} image; skipped",
+        )
+        return None
+    cx1, cy1, cx2, cy2 = max(x1, 0.0), max(y1, 0.0), min(x2, float(width)), min(y2, float(height))
+    if (cx1, cy1, cx2, cy2) != (x1, y1, x2, y2):
+        issues.skipped["clipped"] += 1
+        overshoot = max(-x1, -y1, x2 - width, y2 - height)
+        message = (f"{where}: box [{x1:g}, {y1:g}, {x2:g}, {y2:g}] extends {overshoot:g} px past the edge of "
+                   f"the {width}x{height} image; clipped")
+        if overshoot > PAST_EDGE_TOLERANCE:
+            issues.past_edge.append(message)
+        logger.debug("%s", message)
+    return cx1, cy1, cx2, cy2
+
+
+def load_image(path: str, image_id: Optional[int] = None) -> np.ndarray:
+    """Decode an image file to uint8 RGB ``[H, W, 3]`` (no EXIF rotation: annotation
+    sizes refer to the stored pixel array).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        DataError: the file cannot be decoded (truncated or corrupt).
+    """
+    what = f"image file {path}" + (f" (image_id {image_id})" if image_id is not None else "")
+    try:
+        with Image.open(path) as img:
+            img.load()
+            if img.mode != "RGB":
+                img = img.convert("RGB")
+            array = np.asarray(img)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"cannot decode {what}: {reason}") from None
+    return array
+
+
+class DetectionDataset(torch.utils.data.Dataset):
+    """Common behaviour of the detection data sets (see the module docstring).
+
+    Items: ``(image, target)`` with ``image`` a uint8 tensor ``[3, H, W]`` and ``target``
+    a dict: ``boxes`` float32 ``[N, 4]`` (transformed image coordinates), ``labels`` int64
+    ``[N]`` (1..K), ``image_id`` int, ``orig_size`` int64 ``[2]`` = (h, w) of the file,
+    ``scale`` float32 ``[2]`` = (sx, sy) = transformed size / original size. Crowd boxes
+    (and VOC ``difficult`` boxes unless ``use_difficult``) are not in the target; they are
+    in ``get_annotation`` and ``coco_gt`` for evaluation.
+    """
+
+    def __init__(
+        self,
+        records: List[ImageRecord],
+        class_names: List[str],
+        label_to_category_id: Dict[int, int],
+        transforms: Optional[Transform] = None,
+        use_difficult: bool = False,
+        filter_empty: bool = False,
+        skipped: Optional[Counter] = None,
+        source: str = "",
+    ) -> None:
+        self.class_names = list(class_names)
+        self.label_to_category_id = dict(label_to_category_id)
+        self.category_id_to_label = {c: lab for lab, c in self.label_to_category_id.items()}
+        self.transforms = transforms
+        self.use_difficult = use_difficult
+        self.source = source
+        self.skipped: Counter = Counter(skipped or {})
+        self.num_images_before_filter = len(records)
+        if filter_empty:
+            kept = [r for r in records if self._train_mask(r).any()]
+            if len(kept) < len(records):
+                logger.info("%s: %d of %d images have no training boxes and were filtered out (data.filter_empty)",
+                            source, len(records) - len(kept), len(records))
+            records = kept
+        if not records:
+            raise DataError(
+                f"{source}: data set is empty after filtering ({self.num_images_before_filter} images before, "
+                f"filter_empty={filter_empty})"
+            )
+        self.records = records
+        self.image_ids: List[int] = [r.image_id for r in records]
+        self.aspect_ratios: List[float] = [r.width / r.height for r in records]
+
+    # ------------------------------------------------------------------ basics
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def _train_mask(self, record: ImageRecord) -> np.ndarray:
+        mask = ~record.iscrowd
+        if not self.use_difficult:
+            mask &= ~record.difficult
+        return mask
+
+    def get_annotation(self, idx: int) -> Dict[str, Any]:
+        """Raw annotations of item ``idx`` in original-image coordinates: ``boxes`` float32
+        ``[N,4]``, ``labels`` int64 ``[N]``, ``iscrowd`` bool ``[N]``, ``difficult`` bool ``[N]``,
+        plus ``image_id``, ``height``, ``width``, ``path``."""
+        r = self.records[idx]
+        return {
+            "image_id": r.image_id,
+            "height": r.height,
+            "width": r.width,
+            "path": r.path,
+            "boxes": torch.from_numpy(r.boxes.copy()),
+            "labels": torch.from_numpy(r.labels.copy()),
+            "iscrowd": torch.from_numpy(r.iscrowd.copy()),
+            "difficult": torch.from_numpy(r.difficult.copy()),
+        }
+
+    def load_image(self, idx: int) -> np.ndarray:
+        """The decoded file of item ``idx``, uint8 ``[H, W, 3]`` RGB, checked against the metadata size."""
+        r = self.records[idx]
+        image = load_image(r.path, r.image_id)
+        h, w = image.shape[:2]
+        if (h, w) != (r.height, r.width):
+            raise DataError(
+                f"image file {r.path} (image_id {r.image_id}) is {w}x{h} but its annotation says {r.width}x{r.height}"
+            )
+        return image
+
+    def __getitem__(self, idx: int) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        r = self.records[idx]
+        image = self.load_image(idx)
+        mask = self._train_mask(r)
+        boxes, labels = r.boxes[mask], r.labels[mask]
+        if self.transforms is not None:
+            image_t, boxes_t, labels_t = self.transforms(image, boxes, labels)
+        else:
+            image_t = torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
+            boxes_t, labels_t = torch.from_numpy(boxes.copy()), torch.from_numpy(labels.copy())
+        new_h, new_w = image_t.shape[-2:]
+        target = {
+            "boxes": boxes_t.reshape(-1, 4).to(torch.float32),
+            "labels": labels_t.reshape(-1).to(torch.int64),
+            "image_id": int(r.image_id),
+            "orig_size": torch.tensor([r.height, r.width], dtype=torch.int64),
+            "scale": torch.tensor([new_w / r.width, new_h / r.height], dtype=torch.float32),
+        }
+        return image_t, target
+
+    # ------------------------------------------------------------------ evaluation
+    def coco_gt(self) -> Dict[str, Any]:
+        """Ground truth in COCO format, original image coordinates and category ids.
+
+        Crowd boxes have ``iscrowd: 1``; VOC difficult objects ``iscrowd: 0, ignore: 1,
+        difficult: 1``. Skipped annotations (degenerate, outside) are not included; clipped
+        boxes appear clipped.
+        """
+        images, annotations = [], []
+        for r in self.records:
+            images.append({"id": int(r.image_id), "file_name": os.path.basename(r.path),
+                           "width": int(r.width), "height": int(r.height)})
+            for j in range(len(r.labels)):
+                x1, y1, x2, y2 = (float(v) for v in r.boxes[j])
+                ann = {
+                    "id": int(r.ann_ids[j]),
+                    "image_id": int(r.image_id),
+                    "category_id": int(self.label_to_category_id[int(r.labels[j])]),
+                    "bbox": [x1, y1, x2 - x1, y2 - y1],
+                    "area": float(r.areas[j]),
+                    "iscrowd": int(r.iscrowd[j]),
+                }
+                if r.difficult[j]:
+                    ann["ignore"] = 1
+                    ann["difficult"] = 1
+                annotations.append(ann)
+        categories = [{"id": int(self.label_to_category_id[i + 1]), "name": name}
+                      for i, name in enumerate(self.class_names)]
+        return {"images": images, "annotations": annotations, "categories": categories}
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.source!r}, images={len(self)}, classes={self.num_classes}, "
+                f"skipped={dict(self.skipped)})")
+
+
+# ---------------------------------------------------------------------------- COCO
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file; a missing file or invalid JSON is a one-line error naming it."""
+    path = str(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"annotation file not found: {path}") from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise DataError(f"annotation file {path} is not valid JSON: {msg}{where}") from None
+
+
+def parse_coco(
+    ann_file: str | os.PathLike, image_dir: str | os.PathLike, issues: Issues
+) -> Tuple[List[ImageRecord], List[str], Dict[int, int], Any]:
+    """Parse a COCO instances JSON (through pycocotools' index) into image records.
+
+    Returns ``(records, class_names, label_to_category_id, coco)``: categories sorted by
+    id map to labels 1..K. ``[x, y, w, h]`` becomes ``[x, y, x + w, y + h]``.
+    """
+    from pycocotools.coco import COCO
+
+    ann_file = str(ann_file)
+    data = read_json(ann_file)
+    if not isinstance(data, dict):
+        raise DataError(f"annotation file {ann_file}: the top level must be an object with 'images', 'annotations', 'categories'")
+    for key in ("images", "categories"):
+        if not isinstance(data.get(key), list):
+            raise DataError(f"annotation file {ann_file}: missing or malformed top-level key '{key}'")
+    data.setdefault("annotations", [])
+
+    # Categories -> labels 1..K, ordered by id.
+    categories = {}
+    for i, cat in enumerate(data["categories"]):
+        if not isinstance(cat, dict) or "id" not in cat:
+            raise DataError(f"annotation file {ann_file}: categories[{i}] has no 'id'")
+        if cat["id"] in categories:
+            issues.error(f"annotation file {ann_file}: category id {cat['id']} appears twice in 'categories'")
+        categories[cat["id"]] = cat
+    cat_ids = sorted(categories)
+    label_to_category_id = {i + 1: int(c) for i, c in enumerate(cat_ids)}
+    category_id_to_label = {c: lab for lab, c in label_to_category_id.items()}
+    class_names = [str(categories[c].get("name", c)) for c in cat_ids]
+
+    # Images: required fields, unique ids (pycocotools would silently keep the last one).
+    seen: Dict[Any, str] = {}
+    good_images = []
+    for i, img in enumerate(data["images"]):
+        missing = [k for k in ("id", "file_name", "width", "height") if not isinstance(img, dict) or k not in img]
+        if missing:
+            issues.error(f"annotation file {ann_file}: images[{i}] lacks {', '.join(repr(k) for k in missing)}")
+            continue
+        if img["id"] in seen:
+            issues.error(
+                f"annotation file {ann_file}: image_id {img['id']} appears twice "
+                f"({seen[img['id']]!r} and {img['file_name']!r})"
+            )
+            continue
+        seen[img["id"]] = img["file_name"]
+        good_images.append(img)
+
+    coco = COCO()
+    coco.dataset = {**data, "images": good_images}
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
+
+    anns_by_image: Dict[Any, list] = {img["id"]: [] for img in good_images}
+    for i, ann in enumerate(data["annotations"]):
+        ann_id = ann.get("id", f"#{i}") if isinstance(ann, dict) else f"#{i}"
+        where = f"annotation file {ann_file}: annotation id {ann_id}"
+        if not isinstance(ann, dict):
+            issues.error(f"{where}: not an object")
+            continue
+        if ann.get("image_id") not in anns_by_image:
+            if ann.get("image_id") not in seen:
+                issues.error(f"{where}: image_id {ann.get('image_id')!r} is not in 'images'")
+            continue
+        if ann.get("category_id") not in category_id_to_label:
+            issues.error(f"{where}: category_id {ann.get('category_id')!r} is not in 'categories'")
+            continue
+        bbox = ann.get("bbox")
+        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(isinstance(v, (int, float)) for v in bbox):
+            issues.error(f"{where}: 'bbox' must be 4 numbers [x, y, w, h], got {bbox!r}")
+            continue
+        anns_by_image[ann["image_id"]].append(ann)
+
+    records = []
+    image_dir = str(image_dir)
+    for img in good_images:
+        width, height = int(img["width"]), int(img["height"])
+        rows = []
+        for ann in anns_by_image[img["id"]]:
+            x, y, w, h = (float(v) for v in ann["bbox"])
+            box = check_box((x, y, x + w, y + h), width, height,
+                            f"annotation file {ann_file}: annotation id {ann.get('id')} (image_id {img['id']})", issues)
+            if box is None:
+                continue
+            area = float(ann["area"]) if isinstance(ann.get("area"), (int, float)) and ann["area"] > 0 else w * h
+            rows.append((box, category_id_to_label[ann["category_id"]], bool(ann.get("iscrowd", 0)),
+                         bool(ann.get("difficult", 0) or ann.get("ignore", 0) and not ann.get("iscrowd", 0)),
+                         int(ann.get("id", 0)), area))
+        arrays = _rows_to_arrays(rows)
+        records.append(ImageRecord(image_id=int(img["id"]), path=os.path.join(image_dir, img["file_name"]),
+                                   width=width, height=height, **arrays))
+    return records, class_names, label_to_category_id, coco
+
+
+def _rows_to_arrays(rows: list) -> Dict[str, np.ndarray]:
+    if not rows:
+        return _empty_record_arrays()
+    boxes, labels, crowd, difficult, ids, areas = zip(*rows)
+    return {
+        "boxes": np.asarray(boxes, np.float32).reshape(-1, 4),
+        "labels": np.asarray(labels, np.int64),
+        "iscrowd": np.asarray(crowd, bool),
+        "difficult": np.asarray(difficult, bool),
+        "ann_ids": np.asarray(ids, np.int64),
+        "areas": np.asarray(areas, np.float32),
+    }
+
+
+class CocoDetection(DetectionDataset):
+    """A COCO instances JSON plus an image folder.
+
+    Category ids (any, e.g. 1, 7, 90) map to contiguous labels 1..K in id order and back
+    (``label_to_category_id``). ``iscrowd`` boxes are kept for evaluation, not trained on.
+
+    Args:
+        image_dir: folder holding the ``file_name`` of each image.
+        ann_file: the instances JSON.
+        transforms: callable applied to (image, boxes, labels); None = no resize.
+        filter_empty: drop images without a trainable box.
+    """
+
+    def __init__(
+        self,
+        image_dir: str | os.PathLike,
+        ann_file: str | os.PathLike,
+        transforms: Optional[Transform] = None,
+        filter_empty: bool = False,
+        use_difficult: bool = False,
+    ) -> None:
+        issues = Issues(strict=True)
+        records, class_names, label_to_cat, coco = parse_coco(ann_file, image_dir, issues)
+        self.coco = coco
+        self.image_dir = str(image_dir)
+        self.ann_file = str(ann_file)
+        if issues.skipped:
+            logger.warning("%s: skipped annotations: %s", ann_file, dict(issues.skipped))
+        super().__init__(records, class_names, label_to_cat, transforms=transforms, use_difficult=use_difficult,
+                         filter_empty=filter_empty, skipped=issues.skipped, source=str(ann_file))
+
+
+# ---------------------------------------------------------------------------- VOC
+
+
+def _xml_text(node: Optional[ET.Element], tag: str) -> Optional[str]:
+    child = node.find(tag) if node is not None else None
+    return child.text.strip() if child is not None and child.text is not None else None
+
+
+def voc_image_ids(ids: Sequence[str]) -> List[int]:
+    """Integer image ids for VOC ids: "2008_000123" -> 2008000123, "000005" -> 5 when every
+    id is of that form and the results are unique; otherwise 1..N in split-file order."""
+    pattern = re.compile(r"^\d+(_\d+)?$")
+    if all(pattern.match(s) for s in ids):
+        ints = [int(s.replace("_", "")) for s in ids]
+        if len(set(ints)) == len(ints):
+            return ints
+    return list(range(1, len(ids) + 1))
+
+
+def parse_voc(
+    root: str | os.PathLike, split: str, class_names: Sequence[str], issues: Issues
+) -> List[ImageRecord]:
+    """Parse ``<root>/ImageSets/Main/<split>.txt`` and ``<root>/Annotations/<id>.xml``.
+
+    VOC boxes are 1-based inclusive pixel indices: ``xmin..xmax`` covers pixels xmin to
+    xmax. In continuous 0-based coordinates that is ``[xmin - 1, xmax]`` (width
+    ``xmax - xmin + 1``); likewise for y. This conversion happens here, once.
+    """
+    root = Path(root)
+    split_file = root / "ImageSets" / "Main" / f"{split}.txt"
+    if not split_file.is_file():
+        raise FileNotFoundError(f"VOC split file not found: {split_file}")
+    ids = [line.split()[0] for line in split_file.read_text().splitlines() if line.strip()]
+    counts = Counter(ids)
+    for name, n in counts.items():
+        if n > 1:
+            issues.error(f"VOC split file {split_file}: image id '{name}' appears {n} times")
+    ids = list(dict.fromkeys(ids))
+    int_ids = voc_image_ids(ids)
+    name_to_label = {name: i + 1 for i, name in enumerate(class_names)}
+    records = []
+    ann_counter = 0
+    for vid, image_id in zip(ids, int_ids):
+        xml_path = root / "Annotations" / f"{vid}.xml"
+        try:
+            tree = ET.parse(xml_path)
+        except FileNotFoundError:
+            issues.error(f"VOC annotation file not found: {xml_path}")
+            continue
+        except ET.ParseError as exc:
+            issues.error(f"VOC annotation file {xml_path} is not valid XML: {exc}")
+            continue
+        node = tree.getroot()
+        size = node.find("size")
+        try:
+            width, height = int(float(_xml_text(size, "width"))), int(float(_xml_text(size, "height")))
+        except (TypeError, ValueError):
+            issues.error(f"VOC annotation file {xml_path}: missing or bad <size><width>/<height>")
+            continue
+        if width <= 0 or height <= 0:
+            issues.error(f"VOC annotation file {xml_path}: image size {width}x{height} is not positive")
+            continue
+        rows = []
+        for j, obj in enumerate(node.findall("object")):
+            ann_counter += 1
+            where = f"VOC annotation file {xml_path}: object {j}"
+            name = _xml_text(obj, "name")
+            if name not in name_to_label:
+                issues.error(f"{where}: class name {name!r} is not in data.class_names")
+                continue
+            bnd = obj.find("bndbox")
+            try:
+                xmin, ymin, xmax, ymax = (float(_xml_text(bnd, k)) for k in ("xmin", "ymin", "xmax", "ymax"))
+            except (TypeError, ValueError):
+                issues.error(f"{where}: missing or bad <bndbox> coordinates")
+                continue
+            box = check_box((xmin - 1.0, ymin - 1.0, xmax, ymax), width, height, where, issues)
+            if box is None:
+                continue
+            difficult = (_xml_text(obj, "difficult") or "0") not in ("0", "")
+            area = (box[2] - box[0]) * (box[3] - box[1])
+            rows.append((box, name_to_label[name], False, difficult, ann_counter, area))
+        records.append(ImageRecord(image_id=image_id, path=str(root / "JPEGImages" / f"{vid}.jpg"),
+                                   width=width, height=height, **_rows_to_arrays(rows)))
+    return records
+
+
+class VOCDetection(DetectionDataset):
+    """A PASCAL VOC year folder (``VOCdevkit/VOC2007``): ``JPEGImages/``,
+    ``Annotations/*.xml``, ``ImageSets/Main/<split>.txt``.
+
+    Labels follow ``class_names`` (1..K); ``label_to_category_id`` is the identity.
+    ``difficult`` objects are flagged; they are trained on only with ``use_difficult``.
+    Image ids: see ``voc_image_ids``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        split: str,
+        class_names: Optional[Sequence[str]] = None,
+        transforms: Optional[Transform] = None,
+        filter_empty: bool = False,
+        use_difficult: bool = False,
+    ) -> None:
+        class_names = list(class_names) if class_names else list(VOC_CLASSES)
+        issues = Issues(strict=True)
+        records = parse_voc(root, split, class_names, issues)
+        self.root = str(root)
+        self.split = split
+        if issues.skipped:
+            logger.warning("%s (%s): skipped objects: %s", root, split, dict(issues.skipped))
+        super().__init__(records, class_names, {i + 1: i + 1 for i in range(len(class_names))},
+                         transforms=transforms, use_difficult=use_difficult, filter_empty=filter_empty,
+                         skipped=issues.skipped, source=f"{root} ({split})")

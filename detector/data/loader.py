@@ -1,0 +1,227 @@
+"""DataLoaders for training and evaluation.
+
+``build_train_loader`` gives a loader whose ``batch_sampler`` has ``set_epoch(epoch)`` and
+``set_start(num_batches_done)``; ``len(loader)`` is the number of batches per epoch for
+this rank and is the same on every rank. ``build_test_loader`` shards the data set
+contiguously (``InferenceSampler``), no duplicates.
+
+Batches are ``(list of uint8 [3,H,W] tensors, list of target dicts)``: no padding on the
+CPU side (the model pads). Workers are seeded from the loader's generator, which is
+seeded by ``train.seed`` and the rank, so two loaders built alike give identical batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import time
+from functools import partial
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from detector.config import Config
+
+from .samplers import (
+    GroupedBatchSampler,
+    InferenceSampler,
+    RepeatFactorSampler,
+    TrainingSampler,
+    aspect_ratio_group_ids,
+    repeat_factors_from_labels,
+)
+
+logger = logging.getLogger(__name__)
+
+_SHM_ADVICE = (
+    "a DataLoader worker died from a bus error, which usually means the shared memory "
+    "(/dev/shm) is too small for the batches in flight: use fewer workers "
+    "(data.num_workers=0 or 1), a smaller data.prefetch_factor or batch, or give the "
+    "container more shared memory (docker run --shm-size=8g / --ipc=host)"
+)
+
+
+def collate_list(batch: List[Tuple[torch.Tensor, Dict[str, Any]]]) -> Tuple[List[torch.Tensor], List[Dict[str, Any]]]:
+    """``[(image, target), ...]`` -> ``([image, ...], [target, ...])``."""
+    images, targets = zip(*batch) if batch else ((), ())
+    return list(images), list(targets)
+
+
+def worker_init_fn(worker_id: int, rank: int = 0) -> None:
+    """Seed ``random``, numpy, torch and the dataset's transform RNG in a worker.
+
+    The seed is torch's per-worker seed (``base_seed + worker_id``, where the base seed is
+    drawn from the loader's seeded generator at each epoch's iterator), mixed with the
+    rank, so workers, ranks and epochs all differ, reproducibly.
+    """
+    seed = (torch.initial_seed() + 1_000_003 * rank) % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import cv2
+
+        cv2.setNumThreads(0)  # no OpenCV thread pools inside workers
+    except ImportError:  # pragma: no cover
+        pass
+    info = torch.utils.data.get_worker_info()
+    dataset = info.dataset if info is not None else None
+    transforms = getattr(dataset, "transforms", None)
+    if hasattr(transforms, "set_random_seed"):
+        transforms.set_random_seed(seed)
+
+
+def _is_bus_error(exc: BaseException, iterator: Any = None) -> bool:
+    """True when a worker died from SIGBUS: torch says "killed by signal: Bus error", or
+    just "exited unexpectedly" while the worker's exit code is -SIGBUS."""
+    text = str(exc).lower()
+    if "bus error" in text or "sigbus" in text:
+        return True
+    workers = getattr(iterator, "_workers", None) or []  # torch's worker processes (private)
+    return any(getattr(w, "exitcode", None) == -signal.SIGBUS for w in workers)
+
+
+class DetectionDataLoader(DataLoader):
+    """A ``DataLoader`` that turns a worker killed by a shared-memory bus error into a
+    ``RuntimeError`` saying what to do."""
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return self._iterate(super().__iter__())
+
+    @staticmethod
+    def _iterate(iterator: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except RuntimeError as exc:
+                if _is_bus_error(exc, iterator):
+                    raise RuntimeError(f"{_SHM_ADVICE} (original error: {str(exc).splitlines()[0]})") from exc
+                raise
+            yield batch
+
+
+def _pin_memory(cfg: Config) -> bool:
+    return torch.cuda.is_available() and cfg.train.device != "cpu"
+
+
+def _worker_kwargs(cfg: Config, num_workers: int) -> Dict[str, Any]:
+    if num_workers <= 0:
+        return {"num_workers": 0}
+    return {
+        "num_workers": num_workers,
+        "persistent_workers": cfg.data.persistent_workers,
+        "prefetch_factor": cfg.data.prefetch_factor,
+    }
+
+
+def _labels_per_image(dataset: Dataset) -> List[List[int]]:
+    """Training labels of each image, from annotations (no decoding)."""
+    out = []
+    for idx in range(len(dataset)):
+        ann = dataset.get_annotation(idx)
+        keep = ~ann["iscrowd"]
+        if not getattr(dataset, "use_difficult", False):
+            keep &= ~ann["difficult"]
+        out.append(ann["labels"][keep].tolist())
+    return out
+
+
+def build_train_sampler(cfg: Config, dataset: Dataset, rank: int = 0, world_size: int = 1) -> GroupedBatchSampler:
+    """The batch sampler of ``build_train_loader`` (grouped by aspect ratio when
+    ``data.aspect_ratio_grouping``, repeat-factor sampling when
+    ``data.repeat_factor_threshold > 0``)."""
+    seed = cfg.train.seed
+    if cfg.data.repeat_factor_threshold > 0:
+        factors = repeat_factors_from_labels(_labels_per_image(dataset), cfg.data.repeat_factor_threshold)
+        sampler: TrainingSampler = RepeatFactorSampler(factors, seed=seed, rank=rank, world_size=world_size)
+    else:
+        sampler = TrainingSampler(len(dataset), shuffle=True, seed=seed, rank=rank, world_size=world_size)
+    if cfg.data.aspect_ratio_grouping:
+        group_ids = aspect_ratio_group_ids(dataset.aspect_ratios)
+    else:
+        group_ids = [0] * len(dataset)
+    return GroupedBatchSampler(sampler, group_ids, cfg.solver.images_per_gpu)
+
+
+def build_train_loader(cfg: Config, dataset: Dataset, rank: int = 0, world_size: int = 1,
+                       num_workers: Optional[int] = None) -> DetectionDataLoader:
+    """Training loader: ``len(loader)`` batches of ``solver.images_per_gpu`` images per
+    epoch (same on every rank). Call ``loader.batch_sampler.set_epoch(e)`` each epoch and
+    ``loader.batch_sampler.set_start(n)`` to resume after ``n`` batches of an epoch.
+
+    ``num_workers`` overrides ``data.num_workers``.
+    """
+    num_workers = cfg.data.num_workers if num_workers is None else num_workers
+    batch_sampler = build_train_sampler(cfg, dataset, rank, world_size)
+    transforms = getattr(dataset, "transforms", None)
+    if hasattr(transforms, "set_random_seed"):  # the RNG used when num_workers == 0
+        transforms.set_random_seed(cfg.train.seed + 1_000_003 * rank)
+    generator = torch.Generator().manual_seed(cfg.train.seed + rank)
+    return DetectionDataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=collate_list,
+        pin_memory=_pin_memory(cfg),
+        worker_init_fn=partial(worker_init_fn, rank=rank),
+        generator=generator,
+        **_worker_kwargs(cfg, num_workers),
+    )
+
+
+def build_test_loader(cfg: Config, dataset: Dataset, rank: int = 0, world_size: int = 1,
+                      num_workers: Optional[int] = None) -> DetectionDataLoader:
+    """Evaluation loader: this rank's contiguous shard in order, ``eval.images_per_gpu``
+    images per batch, the last batch possibly smaller."""
+    num_workers = cfg.data.num_workers if num_workers is None else num_workers
+    sampler = InferenceSampler(len(dataset), rank, world_size)
+    batch_sampler = torch.utils.data.BatchSampler(sampler, cfg.eval.images_per_gpu, drop_last=False)
+    kwargs = _worker_kwargs(cfg, num_workers)
+    kwargs.pop("persistent_workers", None)  # evaluation runs now and then; free the workers
+    return DetectionDataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=collate_list,
+        pin_memory=_pin_memory(cfg),
+        worker_init_fn=partial(worker_init_fn, rank=rank),
+        **kwargs,
+    )
+
+
+def measure_loader_throughput(loader: DataLoader, num_batches: int, warmup_batches: int = 2) -> Dict[str, float]:
+    """Images per second a loader delivers with nothing else running.
+
+    The clock starts when batch ``warmup_batches`` (>= 1) arrives, so worker start-up is
+    excluded, and stops after ``num_batches`` more; epochs are chained as needed.
+
+    Returns ``{"images_per_s", "batches_per_s", "images", "seconds", "startup_s"}``.
+    """
+    warmup_batches = max(1, warmup_batches)
+    t_start = time.perf_counter()
+    t0 = t_start
+    count = images = 0
+    epoch = 0
+    while count < warmup_batches + num_batches:
+        if hasattr(loader.batch_sampler, "set_epoch"):
+            loader.batch_sampler.set_epoch(epoch)
+        for batch_images, _ in loader:
+            count += 1
+            if count == warmup_batches:
+                t0 = time.perf_counter()
+            elif count > warmup_batches:
+                images += len(batch_images)
+            if count == warmup_batches + num_batches:
+                break
+        epoch += 1
+    seconds = time.perf_counter() - t0
+    return {
+        "images_per_s": images / seconds,
+        "batches_per_s": num_batches / seconds,
+        "images": float(images),
+        "seconds": seconds,
+        "startup_s": t0 - t_start,
+    }

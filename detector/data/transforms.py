@@ -1,0 +1,126 @@
+"""Bbox-aware albumentations pipelines built from the config.
+
+Resizing happens here only (the model never resizes): the shorter side becomes ``s``
+(training: drawn from ``input.min_size_train``; evaluation: ``input.min_size_test``)
+unless that makes the longer side exceed ``max_size``; i.e. the scale is
+``min(s / short, max_size / long)`` (Faster R-CNN's rule), and the new size is the
+rounded ``(w * scale, h * scale)``. The scale actually applied per axis,
+``(sx, sy) = new size / original size``, is put in each target as ``scale``, so
+``boxes_original = boxes / [sx, sy, sx, sy]``.
+
+Boxes go through albumentations in ``pascal_voc`` format (``[x1, y1, x2, y2]`` pixels),
+are clipped to the image, and a box that a transform pushes out of the image (zero area
+left) is dropped together with its label.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import albumentations as A
+import cv2
+import numpy as np
+import torch
+
+from detector.config import Config
+
+
+def resized_shape(height: int, width: int, min_size: int, max_size: int) -> Tuple[int, int]:
+    """(new_h, new_w) for a shorter side of ``min_size`` with the longer side capped at ``max_size``."""
+    scale = min(min_size / min(height, width), max_size / max(height, width))
+    return max(1, int(round(height * scale))), max(1, int(round(width * scale)))
+
+
+class ResizeShortestEdge(A.DualTransform):
+    """Resize so the shorter side is a random choice of ``min_sizes`` and the longer side
+    is at most ``max_size`` (bilinear; ``cv2.INTER_AREA`` when shrinking by more than 2x).
+
+    Boxes are kept in albumentations' normalised form, so they need no change.
+    """
+
+    def __init__(self, min_sizes: Sequence[int], max_size: int, p: float = 1.0) -> None:
+        super().__init__(p=p)
+        if not min_sizes or any(int(s) <= 0 for s in min_sizes) or max_size <= 0:
+            raise ValueError(f"ResizeShortestEdge needs positive sizes, got min_sizes={list(min_sizes)}, max_size={max_size}")
+        self.min_sizes = tuple(int(s) for s in min_sizes)
+        self.max_size = int(max_size)
+
+    def get_params_dependent_on_data(self, params: Dict[str, Any], data: Dict[str, Any]) -> Dict[str, Any]:
+        h, w = params["shape"][:2]
+        s = self.min_sizes[0] if len(self.min_sizes) == 1 else self.py_random.choice(self.min_sizes)
+        new_h, new_w = resized_shape(h, w, s, self.max_size)
+        return {"new_h": new_h, "new_w": new_w}
+
+    def apply(self, img: np.ndarray, new_h: int = 0, new_w: int = 0, **params: Any) -> np.ndarray:
+        h, w = img.shape[:2]
+        if (new_h, new_w) == (h, w):
+            return img
+        interp = cv2.INTER_AREA if new_h * 2 < h and new_w * 2 < w else cv2.INTER_LINEAR
+        return cv2.resize(img, (new_w, new_h), interpolation=interp)
+
+    def apply_to_bboxes(self, bboxes: np.ndarray, **params: Any) -> np.ndarray:
+        return bboxes  # normalised coordinates do not change under a resize
+
+    def get_transform_init_args_names(self) -> Tuple[str, ...]:
+        return ("min_sizes", "max_size")
+
+
+class DetectionTransform:
+    """Apply an albumentations pipeline to ``(image, boxes, labels)``.
+
+    Call: ``image`` uint8 ``[H, W, 3]``, ``boxes`` float32 ``[N, 4]`` xyxy pixels,
+    ``labels`` int64 ``[N]`` -> ``(image uint8 tensor [3, H', W'], boxes float32 tensor
+    [M, 4], labels int64 tensor [M])`` with ``M <= N`` (boxes pushed out are dropped
+    with their labels).
+
+    Args:
+        transforms: albumentations transforms, applied in order.
+        seed: seed of the pipeline's own random state (albumentations ignores the global
+            ones); the loader reseeds it per worker with ``set_random_seed``.
+    """
+
+    def __init__(self, transforms: List[A.BasicTransform], seed: Optional[int] = None) -> None:
+        self.pipeline = A.Compose(
+            transforms,
+            bbox_params=A.BboxParams(format="pascal_voc", label_fields=["labels"], clip=True,
+                                     filter_invalid_bboxes=True, min_area=0.0, min_visibility=0.0),
+            seed=seed,
+        )
+
+    def set_random_seed(self, seed: int) -> None:
+        self.pipeline.set_random_seed(int(seed) % 2**32)
+
+    def __call__(self, image: np.ndarray, boxes: np.ndarray, labels: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
+        labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+        out = self.pipeline(image=image, bboxes=boxes, labels=labels)
+        img = out["image"]
+        if img.ndim == 2:
+            img = img[..., None]
+        image_t = torch.from_numpy(np.ascontiguousarray(img.transpose(2, 0, 1)))
+        out_boxes = np.asarray(out["bboxes"], dtype=np.float32).reshape(-1, 4)
+        out_labels = np.asarray(out["labels"], dtype=np.int64).reshape(-1)
+        # Drop anything degenerate the pipeline left (should not happen with filtering on).
+        keep = (out_boxes[:, 2] > out_boxes[:, 0]) & (out_boxes[:, 3] > out_boxes[:, 1])
+        return image_t, torch.from_numpy(out_boxes[keep]), torch.from_numpy(out_labels[keep])
+
+    def __repr__(self) -> str:
+        return f"DetectionTransform({self.pipeline.transforms})"
+
+
+def build_transforms(cfg: Config, is_train: bool, seed: Optional[int] = None) -> DetectionTransform:
+    """The train pipeline (random shorter side from ``input.min_size_train`` capped at
+    ``input.max_size_train``, horizontal flip with ``input.hflip_prob``, optional colour
+    jitter) or the eval pipeline (deterministic resize to ``input.min_size_test`` /
+    ``input.max_size_test``)."""
+    inp = cfg.input
+    if is_train:
+        transforms: List[A.BasicTransform] = [ResizeShortestEdge(inp.min_size_train, inp.max_size_train)]
+        if inp.hflip_prob > 0:
+            transforms.append(A.HorizontalFlip(p=inp.hflip_prob))
+        if inp.color_jitter:
+            transforms.append(A.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2, hue=0.02, p=0.8))
+    else:
+        transforms = [ResizeShortestEdge([inp.min_size_test], inp.max_size_test)]
+    return DetectionTransform(transforms, seed=seed if seed is not None else random.randrange(2**31))

@@ -1,0 +1,159 @@
+"""Training logs: console lines with ETA, ``metrics.jsonl`` and TensorBoard.
+
+Only the main process creates these writers; other ranks keep ``None``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(output_dir: Optional[str | os.PathLike] = None, rank: int = 0, level: int = logging.INFO) -> None:
+    """Configure the ``detector`` logger: console on every rank (rank > 0: warnings
+    only) and ``<output_dir>/log.txt`` on rank 0. Called once by the entry point."""
+    log = logging.getLogger("detector")
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    for h in list(log.handlers):
+        if getattr(h, "_detector_handler", False):
+            log.removeHandler(h)
+            h.close()
+    prefix = f"[rank {rank}] " if rank > 0 else ""
+    fmt = logging.Formatter(f"%(asctime)s {prefix}%(levelname).1s %(name)s: %(message)s", "%H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setLevel(level if rank == 0 else logging.WARNING)
+    console.setFormatter(fmt)
+    console._detector_handler = True  # type: ignore[attr-defined]
+    log.addHandler(console)
+    if output_dir is not None and rank == 0:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(Path(output_dir) / "log.txt")
+        fh.setLevel(logging.DEBUG)
+        fh.setFormatter(fmt)
+        fh._detector_handler = True  # type: ignore[attr-defined]
+        log.addHandler(fh)
+
+
+def format_eta(seconds: float) -> str:
+    """``3725.2`` -> ``"1:02:05"``."""
+    return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process in MiB: CUDA max allocated, or the CPU peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def format_console_line(record: Dict[str, Any], max_iter: int, eta_seconds: float) -> str:
+    """One console line from a training record of ``metrics.jsonl``."""
+    losses = "  ".join(f"{k} {record[k]:.4f}" for k in sorted(record) if k.startswith("loss_"))
+    return (
+        f"iter {record['iteration']}/{max_iter}  eta {format_eta(eta_seconds)}  "
+        f"total_loss {record['total_loss']:.4f}  {losses}  lr {record['lr']:.3g}  "
+        f"time {record['time']:.3f}s  data {record['data_time']:.3f}s  "
+        f"{record['images_per_sec']:.1f} img/s  mem {record['memory_mb']:.0f}MiB"
+    )
+
+
+class JSONLWriter:
+    """Append-only ``metrics.jsonl``: one JSON object per line, each with ``iteration``.
+
+    ``truncate_after(it)`` drops every line whose iteration is greater than ``it``
+    (used on resume, so no iteration is logged twice and none is missing).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def truncate_after(self, iteration: int) -> int:
+        """Keep lines with ``iteration <= iteration``; returns how many were dropped."""
+        if not self.path.exists():
+            return 0
+        kept: List[str] = []
+        dropped = 0
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                it = json.loads(line).get("iteration", 0)
+            except json.JSONDecodeError:  # a line cut by a crash
+                dropped += 1
+                continue
+            if it <= iteration:
+                kept.append(line)
+            else:
+                dropped += 1
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+        return dropped
+
+    def write(self, record: Dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+
+
+def read_jsonl(path: str | os.PathLike) -> List[Dict[str, Any]]:
+    """All records of a ``metrics.jsonl``."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class TensorBoardWriter:
+    """A thin wrapper over ``torch.utils.tensorboard.SummaryWriter`` writing to ``<dir>``."""
+
+    def __init__(self, log_dir: str | os.PathLike, purge_step: Optional[int] = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step drops events at or after that step left by an interrupted run.
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+    def scalars(self, values: Dict[str, float], step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def image(self, tag: str, image_chw_uint8: torch.Tensor, step: int) -> None:
+        """``image_chw_uint8``: uint8 ``[3, H, W]``."""
+        self.writer.add_image(tag, image_chw_uint8, step, dataformats="CHW")
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        self.writer.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def draw_detections(
+    image: torch.Tensor,
+    gt_boxes: torch.Tensor,
+    pred_boxes: torch.Tensor,
+    pred_labels: List[str],
+) -> torch.Tensor:
+    """Ground truth in green and predictions (with their captions) in red on a uint8
+    ``[3, H, W]`` image; boxes ``[N, 4]`` xyxy pixels of that image. Returns uint8 ``[3, H, W]``."""
+    from torchvision.utils import draw_bounding_boxes
+
+    img = image.to(torch.uint8).cpu()
+    if gt_boxes.numel():
+        img = draw_bounding_boxes(img, gt_boxes.float().cpu(), colors="lime", width=2)
+    if pred_boxes.numel():
+        img = draw_bounding_boxes(img, pred_boxes.float().cpu(), labels=pred_labels, colors="red", width=1)
+    return img

@@ -1,0 +1,107 @@
+"""``evaluate(model, dataset, cfg)``: inference on every rank, gathering on rank 0,
+all metrics, result files.
+
+Used by the trainer for periodic evaluation and by ``tools/eval.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..engine.distributed import all_gather_object, get_rank, get_world_size
+from .inference import LOSS_NAMES, array_to_results, compute_val_loss, run_inference
+from .scoring import format_table, score_detections, write_outputs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _check_coverage(dataset_ids: List[int], gathered_ids: List[int]) -> None:
+    """Every dataset image scored exactly once, or a RuntimeError saying which not."""
+    counts = collections.Counter(gathered_ids)
+    dup = sorted(i for i, n in counts.items() if n > 1)
+    if dup:
+        raise RuntimeError(f"evaluation ran {len(dup)} image(s) more than once, e.g. image_id {dup[:5]}")
+    missing = sorted(set(dataset_ids) - set(counts))
+    if missing:
+        raise RuntimeError(f"evaluation missed {len(missing)} image(s), e.g. image_id {missing[:5]}")
+
+
+def evaluate(
+    model: nn.Module,
+    dataset: Any,
+    cfg: Any,
+    output_dir: Optional[str | Path] = None,
+) -> Dict[str, float]:
+    """Evaluate ``model`` on ``dataset`` (distributed-aware).
+
+    Args:
+        model: a detector (or its DDP wrapper); its train/eval mode is restored.
+        dataset: a dataset with eval transforms exposing ``coco_gt()``,
+            ``label_to_category_id`` and ``image_ids`` (see the dataset contract).
+        cfg: the full Config (``eval.*``, ``train.amp.dtype`` are read).
+        output_dir: where rank 0 writes ``metrics.json``, ``detections.json``,
+            ``per_class.csv``, ``pr_curves.png``, ``confusion_matrix.png``.
+
+    Returns:
+        On rank 0 the flat metrics dict: the 12 COCO numbers (``AP`` ... ``ARl``),
+        ``mAP_voc07``, ``mAP_voc_area``, the IoU metrics (``mean_iou``,
+        ``precision_50`` ...), and with ``eval.compute_val_loss`` the four
+        ``val_loss_*`` values and ``val_loss``. Other ranks get ``{}``.
+    """
+    from ..data.loader import build_test_loader  # the data package imports albumentations
+
+    rank, world_size = get_rank(), get_world_size()
+    loader = build_test_loader(cfg, dataset, rank, world_size)
+    amp_dtype = _DTYPES.get(cfg.train.amp.dtype, torch.float16)
+    out = run_inference(model, loader, dataset.label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=rank == 0)
+    loss_part = None
+    if cfg.eval.compute_val_loss:
+        loss_part = compute_val_loss(model, loader, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=rank == 0)
+    gathered = all_gather_object((out.detections, out.image_ids, out.seconds, loss_part))
+    if rank != 0:
+        return {}
+
+    image_ids = [i for g in gathered for i in g[1]]
+    _check_coverage(list(dataset.image_ids), image_ids)
+    # Dataset order, whatever the number of ranks: identical results (and ties) to one process.
+    position = {image_id: k for k, image_id in enumerate(dataset.image_ids)}
+    detections = np.concatenate([g[0] for g in gathered])
+    keys = np.array([position[int(i)] for i in detections[:, 0]], dtype=np.int64)
+    detections = detections[np.argsort(keys, kind="stable")]  # stable: each image keeps its order
+    results = array_to_results(detections)
+
+    report = score_detections(
+        dataset.coco_gt(),
+        results,
+        backend=cfg.eval.backend,
+        voc_iou_thresh=cfg.eval.voc_iou_thresh,
+        score_thresh=cfg.eval.score_thresh,
+    )
+    metrics = dict(report.metrics)
+    if cfg.eval.compute_val_loss:
+        count = sum(g[3]["count"] for g in gathered)
+        for k in LOSS_NAMES:
+            metrics[f"val_{k}"] = sum(g[3]["sum"][k] for g in gathered) / max(count, 1)
+        metrics["val_loss"] = sum(metrics[f"val_{k}"] for k in LOSS_NAMES)
+    seconds = [s for g in gathered for s in g[2]]
+    timing = {
+        "num_images": float(len(image_ids)),
+        "num_detections": float(len(results)),
+        "time_per_image_ms": 1000.0 * float(np.mean(seconds)) if seconds else 0.0,
+    }
+    logger.info(
+        "evaluated %d images on %d rank(s), %d detections, %.1f ms/image (model only)\n%s",
+        len(image_ids), world_size, len(results), timing["time_per_image_ms"], format_table(metrics, report.per_class),
+    )  # fmt: skip
+    if output_dir is not None:
+        write_outputs(report, results, output_dir, extra_metrics=timing)
+    return metrics

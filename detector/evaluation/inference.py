@@ -1,0 +1,218 @@
+"""The inference loop: the model over a loader, detections in original image
+coordinates, and (optionally) the training losses on the validation set.
+
+Distributed use: each rank runs its own shard (``InferenceSampler``: contiguous, no
+duplicates) and returns its part; :func:`detector.evaluation.evaluate` gathers them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+LOSS_NAMES = ("loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box")
+
+# Columns of the per-rank detection array: image_id, category_id, x, y, w, h, score.
+DET_COLUMNS = 7
+
+
+@dataclass
+class InferenceOutput:
+    """One rank's detections.
+
+    Attributes:
+        detections: float64 [D, 7]: ``image_id, category_id, x, y, w, h, score`` with
+            ``x, y, w, h`` in original-image pixels (COCO ``bbox``), grouped by image in
+            loader order, each image's detections in the model's order.
+        image_ids: the image ids run, in loader order (images without detections too).
+        seconds: model time per image (batch time / batch size), synchronised on CUDA.
+    """
+
+    detections: np.ndarray
+    image_ids: List[int] = field(default_factory=list)
+    seconds: List[float] = field(default_factory=list)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module of a DistributedDataParallel (or DataParallel) wrapper.
+
+    Evaluation must not go through DDP's forward: its buffer broadcast is a collective,
+    and shards of different lengths would hang it.
+    """
+    return model.module if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else model
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(device: torch.device, enabled: bool, dtype: torch.dtype):
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def to_original_boxes(boxes: torch.Tensor, target: Mapping[str, Any]) -> torch.Tensor:
+    """Boxes from the transformed image back to the original file's pixels.
+
+    Args:
+        boxes: [M, 4] xyxy in the coordinates of the image the model saw.
+        target: with ``scale`` = (sx, sy) = transformed size / original size and
+            ``orig_size`` = (h, w).
+
+    Returns:
+        float32 [M, 4] xyxy divided by (sx, sy, sx, sy), clipped to [0, w] x [0, h].
+    """
+    boxes = boxes.detach().float().cpu()
+    scale = torch.as_tensor(target["scale"], dtype=torch.float32).reshape(2)
+    sx, sy = float(scale[0]), float(scale[1])
+    out = boxes / torch.tensor([sx, sy, sx, sy], dtype=torch.float32)
+    h, w = (int(v) for v in torch.as_tensor(target["orig_size"]).reshape(2).tolist())
+    out[:, 0::2] = out[:, 0::2].clamp(0, w)
+    out[:, 1::2] = out[:, 1::2].clamp(0, h)
+    return out
+
+
+def detections_to_array(
+    image_id: int, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, label_to_category_id: Mapping[int, int]
+) -> np.ndarray:
+    """One image's detections as rows ``image_id, category_id, x, y, w, h, score``
+    (``boxes`` xyxy original pixels, ``labels`` 1..K mapped to original category ids)."""
+    b = boxes.double().numpy()
+    rows = np.empty((b.shape[0], DET_COLUMNS), dtype=np.float64)
+    rows[:, 0] = image_id
+    try:
+        rows[:, 1] = [label_to_category_id[int(lab)] for lab in labels.tolist()]
+    except KeyError as exc:
+        raise ValueError(f"model predicted label {exc.args[0]}, which the dataset's label_to_category_id lacks") from None
+    rows[:, 2:4] = b[:, :2]
+    rows[:, 4:6] = b[:, 2:] - b[:, :2]
+    rows[:, 6] = scores.detach().double().cpu().numpy()
+    return rows
+
+
+def array_to_results(detections: np.ndarray) -> List[Dict[str, Any]]:
+    """Rows of :data:`DET_COLUMNS` -> COCO results dicts."""
+    return [
+        {"image_id": int(r[0]), "category_id": int(r[1]), "bbox": [float(r[2]), float(r[3]), float(r[4]), float(r[5])], "score": float(r[6])}
+        for r in detections
+    ]
+
+
+def run_inference(
+    model: nn.Module,
+    loader: Iterable,
+    label_to_category_id: Mapping[int, int],
+    amp: bool = False,
+    amp_dtype: torch.dtype = torch.float16,
+    progress: bool = True,
+) -> InferenceOutput:
+    """Run ``model`` in eval mode under ``torch.inference_mode()`` over ``loader``.
+
+    Args:
+        model: a detector (or its DDP wrapper) following the model contract.
+        loader: yields ``(images, targets)``; targets carry ``image_id``, ``scale``,
+            ``orig_size``.
+        label_to_category_id: label 1..K -> original category id.
+        amp: autocast the forward pass (``amp_dtype``; device-agnostic).
+        progress: show a tqdm bar (the caller turns it off on ranks other than 0).
+
+    The model's train/eval mode is restored afterwards.
+    """
+    net = unwrap(model)
+    device = model_device(net)
+    was_training = net.training
+    net.eval()
+    rows: List[np.ndarray] = []
+    image_ids: List[int] = []
+    seconds: List[float] = []
+    try:
+        total = len(loader) if hasattr(loader, "__len__") else None
+        bar = tqdm(loader, total=total, desc="eval", disable=not progress, dynamic_ncols=True, mininterval=1.0)
+        with torch.inference_mode():
+            for images, targets in bar:
+                _sync(device)
+                start = time.perf_counter()
+                with _autocast(device, amp, amp_dtype):
+                    outputs = net(list(images))
+                _sync(device)
+                elapsed = time.perf_counter() - start
+                seconds.extend([elapsed / max(len(images), 1)] * len(images))
+                for out, target in zip(outputs, targets):
+                    image_id = int(target["image_id"])
+                    boxes = to_original_boxes(out["boxes"], target)
+                    rows.append(detections_to_array(image_id, boxes, out["scores"], out["labels"].cpu(), label_to_category_id))
+                    image_ids.append(image_id)
+    finally:
+        net.train(was_training)
+    detections = np.concatenate(rows) if rows else np.zeros((0, DET_COLUMNS), dtype=np.float64)
+    return InferenceOutput(detections=detections, image_ids=image_ids, seconds=seconds)
+
+
+@contextlib.contextmanager
+def train_mode_with_frozen_norm(model: nn.Module):
+    """The model in train mode (so it returns losses) with every normalisation layer
+    in eval mode (running statistics neither used from the batch nor updated); all
+    modes restored on exit."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.train()
+        for m in model.modules():
+            if isinstance(m, (_NormBase, nn.GroupNorm, nn.LayerNorm)):
+                m.eval()
+        yield model
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def compute_val_loss(
+    model: nn.Module,
+    loader: Iterable,
+    amp: bool = False,
+    amp_dtype: torch.dtype = torch.float16,
+    progress: bool = True,
+) -> Dict[str, float]:
+    """The four training losses on a validation loader (this rank's images).
+
+    The model runs in train mode under ``torch.no_grad()`` with its norm layers in eval
+    mode; the RNG state (proposal/RoI sampling draws from it) is saved and restored so
+    an evaluation during training does not change the training run's random stream.
+
+    Returns:
+        ``{"sum": {loss_name: sum over images of the per-batch loss x batch size},
+        "count": number of images}`` -- the caller reduces over ranks and divides.
+    """
+    net = unwrap(model)
+    device = model_device(net)
+    sums = {k: 0.0 for k in LOSS_NAMES}
+    count = 0
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), train_mode_with_frozen_norm(net), torch.no_grad():
+        bar = tqdm(loader, desc="val loss", disable=not progress, dynamic_ncols=True, mininterval=1.0)
+        for images, targets in bar:
+            with _autocast(device, amp, amp_dtype):
+                losses = net(list(images), [dict(t) for t in targets])
+            n = len(images)
+            for k in LOSS_NAMES:
+                sums[k] += float(losses[k].float()) * n
+            count += n
+    return {"sum": sums, "count": count}

@@ -1,0 +1,107 @@
+"""``build_model(cfg)``: compose Faster R-CNN from the config with plain constructor calls."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..config import Config
+from .anchors import AnchorGenerator
+from .backbone import build_resnet_fpn
+from .faster_rcnn import FasterRCNN
+from .roi_heads import FastRCNNPredictor, MultiLevelRoIAlign, ROIHeads, TwoMLPHead
+from .rpn import RegionProposalNetwork, RPNHead
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(cfg: Config) -> FasterRCNN:
+    """Build the detector described by ``cfg.model``, ``cfg.rpn`` and ``cfg.roi_heads``.
+
+    The model is on the CPU; the caller moves it. If ``cfg.model.weights`` names a local
+    file or a torchvision weights name (e.g. ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1``),
+    those weights are loaded (see ``detector.engine.checkpoint.load_weights``).
+    """
+    m, r, h = cfg.model, cfg.rpn, cfg.roi_heads
+    if m.num_classes < 1:
+        raise ValueError(f"model.num_classes must be >= 1, got {m.num_classes}")
+    if len(m.pixel_mean) != 3 or len(m.pixel_std) != 3:
+        raise ValueError("model.pixel_mean and model.pixel_std need 3 values (RGB)")
+    backbone = build_resnet_fpn(
+        depth_name=m.backbone,
+        norm=m.norm,
+        norm_eps=m.norm_eps,
+        gn_groups=m.gn_groups,
+        freeze_at=m.freeze_at,
+        return_stages=m.return_stages,
+        fpn_channels=m.fpn_channels,
+        backbone_weights=m.backbone_weights,
+    )
+    if len(m.anchors.sizes) != len(backbone.strides):
+        raise ValueError(
+            f"model.anchors.sizes has {len(m.anchors.sizes)} levels but the backbone has "
+            f"{len(backbone.strides)} (model.return_stages {list(m.return_stages)} + the pooled level)"
+        )
+    anchor_generator = AnchorGenerator(m.anchors.sizes, m.anchors.aspect_ratios)
+    rpn = RegionProposalNetwork(
+        anchor_generator,
+        RPNHead(backbone.out_channels, anchor_generator.num_anchors_per_location, r.conv_depth),
+        box_coder_weights=r.box_coder_weights,
+        pre_nms_topk=(r.pre_nms_topk_train, r.pre_nms_topk_test),
+        post_nms_topk=(r.post_nms_topk_train, r.post_nms_topk_test),
+        nms_thresh=r.nms_thresh,
+        min_size=r.min_size,
+        score_thresh=r.score_thresh,
+        fg_iou_thresh=r.fg_iou_thresh,
+        bg_iou_thresh=r.bg_iou_thresh,
+        batch_size_per_image=r.batch_size_per_image,
+        positive_fraction=r.positive_fraction,
+        sigma=r.sigma,
+        positive_weight=r.positive_weight,
+    )
+    pooler = MultiLevelRoIAlign(
+        backbone.strides[: len(backbone.pooled_levels)],
+        output_size=h.pooler_resolution,
+        sampling_ratio=h.sampling_ratio,
+        aligned=h.aligned,
+    )
+    box_head = TwoMLPHead(backbone.out_channels * h.pooler_resolution ** 2, h.representation_size)
+    roi_heads = ROIHeads(
+        pooler,
+        box_head,
+        FastRCNNPredictor(h.representation_size, m.num_classes + 1),
+        num_classes=m.num_classes,
+        fg_iou_thresh=h.fg_iou_thresh,
+        bg_iou_lo=h.bg_iou_lo,
+        bg_iou_hi=h.bg_iou_hi,
+        batch_size_per_image=h.batch_size_per_image,
+        positive_fraction=h.positive_fraction,
+        box_coder_weights=h.box_coder_weights,
+        sigma=h.sigma,
+        score_thresh=h.score_thresh,
+        nms_thresh=h.nms_thresh,
+        detections_per_img=h.detections_per_img,
+        min_box_size=h.min_box_size,
+    )
+    model = FasterRCNN(backbone, rpn, roi_heads, m.pixel_mean, m.pixel_std, m.size_divisibility)
+    if m.weights:
+        _load_model_weights(model, m.weights)
+    return model
+
+
+def _load_model_weights(model: FasterRCNN, source: str) -> None:
+    """Load ``model.weights``: a local checkpoint, or a torchvision weights name."""
+    from ..engine.checkpoint import load_weights  # engine depends on modeling, not the reverse
+
+    if os.path.exists(source):
+        report = load_weights(model, source)
+    elif "_Weights." in source:
+        import torchvision
+
+        state = torchvision.models.get_weight(source).get_state_dict(progress=True)
+        report = load_weights(model, state)
+    else:
+        raise ValueError(f"model.weights: '{source}' is neither a file nor a torchvision weights name")
+    logger.info("model.weights %s: %s", source, report.summary())

@@ -1,0 +1,289 @@
+"""ROI heads: RoI pooling, the two-FC box head, the predictor, proposal sampling,
+class-specific regression targets, losses and post-processing.
+
+Shapes: R RoIs in the batch, C = K + 1 classes (0 = background).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.ops import batched_nms, box_area, clip_boxes_to_image, roi_align
+
+from .box_coder import BoxCoder
+from .losses import weighted_smooth_l1
+from .matching import match_by_iou, sample_minibatch
+
+
+class MultiLevelRoIAlign(nn.Module):
+    """RoIAlign over FPN levels (the FPN paper's level assignment, as
+    ``torchvision.ops.MultiScaleRoIAlign``, plus the ``aligned`` switch).
+
+    A box of area ``w * h`` goes to level
+    ``floor(canonical_level + log2(sqrt(w * h) / canonical_scale) + 1e-6)``, clamped to
+    the available levels, where level k has stride ``2^k``.
+
+    Args:
+        strides: stride of each pooled feature map, powers of 2 (e.g. 4, 8, 16, 32).
+        output_size: pooled size (square).
+        sampling_ratio: RoIAlign samples per bin side (0 = adaptive).
+        aligned: shift boxes by -0.5 px (pixel-centre model, ``roi_align(aligned=True)``).
+
+    Forward: features (per level ``[N, C, H_l, W_l]``), boxes (per image ``[R_i, 4]``)
+    -> ``[sum R_i, C, S, S]``.
+    """
+
+    def __init__(self, strides: Sequence[int], output_size: int = 7, sampling_ratio: int = 2,
+                 aligned: bool = False, canonical_scale: float = 224.0, canonical_level: int = 4) -> None:
+        super().__init__()
+        levels = [math.log2(s) for s in strides]
+        if any(lv != int(lv) for lv in levels):
+            raise ValueError(f"pooled feature strides must be powers of 2, got {list(strides)}")
+        self.scales = [1.0 / s for s in strides]
+        self.k_min, self.k_max = int(levels[0]), int(levels[-1])
+        self.output_size = (output_size, output_size)
+        self.sampling_ratio = sampling_ratio
+        self.aligned = aligned
+        self.canonical_scale = canonical_scale
+        self.canonical_level = canonical_level
+
+    def level_of(self, boxes: Tensor) -> Tensor:
+        """``[R]`` int64 index into the pooled levels for ``[R, 4]`` boxes."""
+        size = torch.sqrt(box_area(boxes))
+        k = torch.floor(self.canonical_level + torch.log2(size / self.canonical_scale) + 1e-6)
+        return k.clamp(self.k_min, self.k_max).to(torch.int64) - self.k_min
+
+    def forward(self, features: List[Tensor], boxes: List[Tensor]) -> Tensor:
+        concat = torch.cat(boxes, dim=0)
+        batch_idx = torch.cat([torch.full((len(b), 1), i, dtype=concat.dtype, device=concat.device)
+                               for i, b in enumerate(boxes)])
+        rois = torch.cat((batch_idx, concat), dim=1)
+        if len(features) == 1:
+            return roi_align(features[0], rois, self.output_size, self.scales[0], self.sampling_ratio, self.aligned)
+        levels = self.level_of(concat)
+        out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + self.output_size)
+        for level, (feat, scale) in enumerate(zip(features, self.scales)):
+            idx = torch.where(levels == level)[0]
+            pooled = roi_align(feat, rois[idx], self.output_size, scale, self.sampling_ratio, self.aligned)
+            out[idx] = pooled.to(out.dtype)
+        return out
+
+
+class TwoMLPHead(nn.Module):
+    """``[R, C, S, S]`` -> flatten -> fc6 -> ReLU -> fc7 -> ReLU -> ``[R, representation_size]``."""
+
+    def __init__(self, in_features: int, representation_size: int) -> None:
+        super().__init__()
+        self.fc6 = nn.Linear(in_features, representation_size)
+        self.fc7 = nn.Linear(representation_size, representation_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.fc6(x.flatten(1)))
+        return F.relu(self.fc7(x))
+
+
+class FastRCNNPredictor(nn.Module):
+    """``[R, D]`` -> class logits ``[R, C]`` and class-specific deltas ``[R, 4C]``.
+
+    Initialised with N(0, 0.01) (classes) and N(0, 0.001) (deltas), zero biases.
+    """
+
+    def __init__(self, in_features: int, num_classes_with_bg: int) -> None:
+        super().__init__()
+        self.cls_score = nn.Linear(in_features, num_classes_with_bg)
+        self.bbox_pred = nn.Linear(in_features, num_classes_with_bg * 4)
+        nn.init.normal_(self.cls_score.weight, std=0.01)
+        nn.init.normal_(self.bbox_pred.weight, std=0.001)
+        nn.init.constant_(self.cls_score.bias, 0.0)
+        nn.init.constant_(self.bbox_pred.bias, 0.0)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return self.cls_score(x), self.bbox_pred(x)
+
+
+def class_specific_targets(deltas: Tensor, labels: Tensor, num_classes_with_bg: int) -> Tuple[Tensor, Tensor]:
+    """Spread per-RoI regression targets into the class-specific layout.
+
+    Args:
+        deltas: ``[R, 4]`` encoded targets of each RoI's matched ground truth.
+        labels: ``[R]`` int64 class of each RoI (0 = background).
+        num_classes_with_bg: C.
+
+    Returns:
+        targets ``[R, 4C]`` (the 4 columns ``4c .. 4c+3`` of the RoI's class c hold its
+        deltas, everything else 0) and inside weights ``[R, 4C]`` (1 on those columns
+        for foreground RoIs, 0 elsewhere).
+    """
+    num = deltas.shape[0]
+    fg = (labels > 0).to(deltas.dtype)[:, None]
+    cols = labels[:, None] * 4 + torch.arange(4, device=labels.device)
+    targets = deltas.new_zeros(num, 4 * num_classes_with_bg).scatter_(1, cols, deltas * fg)
+    inside = deltas.new_zeros(num, 4 * num_classes_with_bg).scatter_(1, cols, fg.expand(-1, 4).contiguous())
+    return targets, inside
+
+
+class ROIHeads(nn.Module):
+    """Box branch of Faster R-CNN.
+
+    Args:
+        pooler: ``MultiLevelRoIAlign``.
+        box_head: ``TwoMLPHead``; box_predictor: ``FastRCNNPredictor``.
+        num_classes: K (background excluded).
+        fg_iou_thresh, bg_iou_lo, bg_iou_hi: proposal labels (IoU >= fg_iou_thresh
+            foreground, bg_iou_lo <= IoU < bg_iou_hi background, others ignored).
+        batch_size_per_image, positive_fraction: RoI sampling.
+        box_coder_weights: e.g. (10, 10, 5, 5).
+        sigma: the weighted SmoothL1's sigma.
+        score_thresh, nms_thresh, detections_per_img, min_box_size: post-processing.
+    """
+
+    def __init__(
+        self,
+        pooler: MultiLevelRoIAlign,
+        box_head: TwoMLPHead,
+        box_predictor: FastRCNNPredictor,
+        num_classes: int,
+        fg_iou_thresh: float = 0.5,
+        bg_iou_lo: float = 0.0,
+        bg_iou_hi: float = 0.5,
+        batch_size_per_image: int = 512,
+        positive_fraction: float = 0.25,
+        box_coder_weights: Sequence[float] = (10.0, 10.0, 5.0, 5.0),
+        sigma: float = 1.0,
+        score_thresh: float = 0.05,
+        nms_thresh: float = 0.5,
+        detections_per_img: int = 100,
+        min_box_size: float = 1e-2,
+    ) -> None:
+        super().__init__()
+        self.box_roi_pool = pooler
+        self.box_head = box_head
+        self.box_predictor = box_predictor
+        self.num_classes = num_classes
+        self.fg_iou_thresh = fg_iou_thresh
+        self.bg_iou_lo = bg_iou_lo
+        self.bg_iou_hi = bg_iou_hi
+        self.batch_size_per_image = batch_size_per_image
+        self.positive_fraction = positive_fraction
+        self.box_coder = BoxCoder(box_coder_weights)
+        self.sigma = sigma
+        self.score_thresh = score_thresh
+        self.nms_thresh = nms_thresh
+        self.detections_per_img = detections_per_img
+        self.min_box_size = min_box_size
+
+    # ------------------------------------------------------------------ training
+
+    @torch.no_grad()
+    def sample_proposals(
+        self, proposals: List[Tensor], targets: List[Dict[str, Tensor]]
+    ) -> Tuple[List[Tensor], Tensor, Tensor, Tensor]:
+        """Append the ground truth to the proposals, label and sample them.
+
+        Returns:
+            rois: per image ``[S_i, 4]`` sampled boxes.
+            labels: ``[R]`` int64 class per RoI (0 background), R = sum S_i.
+            reg_targets: ``[R, 4]`` encoded matched ground truth (0 for background).
+            valid: ``[R]`` bool, False for padding slots (zero loss weight).
+        """
+        rois, labels, reg_targets, valid = [], [], [], []
+        for props, target in zip(proposals, targets):
+            gt_boxes = target["boxes"].to(props.dtype)
+            gt_labels = target["labels"]
+            candidates = torch.cat((props, gt_boxes), dim=0)
+            match_labels, matched, _ = match_by_iou(gt_boxes, candidates, self.fg_iou_thresh,
+                                                    self.bg_iou_lo, self.bg_iou_hi)
+            sample = sample_minibatch(match_labels, self.batch_size_per_image, self.positive_fraction)
+            boxes = candidates[sample.index]
+            if gt_boxes.shape[0] > 0:
+                gt_idx = matched[sample.index]
+                cls = torch.where(sample.foreground, gt_labels[gt_idx], 0)
+                deltas = self.box_coder.encode(boxes, gt_boxes[gt_idx]) * sample.foreground[:, None]
+            else:
+                cls = torch.zeros_like(sample.index)
+                deltas = boxes.new_zeros(boxes.shape)
+            rois.append(boxes)
+            labels.append(cls)
+            reg_targets.append(deltas)
+            valid.append(sample.valid)
+        return rois, torch.cat(labels), torch.cat(reg_targets), torch.cat(valid)
+
+    def losses(self, class_logits: Tensor, box_deltas: Tensor, labels: Tensor, reg_targets: Tensor,
+               valid: Tensor) -> Dict[str, Tensor]:
+        """Cross-entropy and class-specific weighted SmoothL1, both divided by the number
+        of sampled RoIs in the batch.
+
+        Args:
+            class_logits: ``[R, C]``; box_deltas: ``[R, 4C]``; labels: ``[R]``;
+            reg_targets: ``[R, 4]``; valid: ``[R]`` bool.
+        """
+        class_logits, box_deltas = class_logits.float(), box_deltas.float()
+        weight = valid.to(class_logits.dtype)
+        num_sampled = weight.sum().clamp(min=1.0)
+        loss_cls = (F.cross_entropy(class_logits, labels, reduction="none") * weight).sum() / num_sampled
+        targets, inside = class_specific_targets(reg_targets, labels * valid, class_logits.shape[1])
+        loss_box = weighted_smooth_l1(box_deltas, targets, inside, None, self.sigma) / num_sampled
+        return {"loss_roi_cls": loss_cls, "loss_roi_box": loss_box}
+
+    # ------------------------------------------------------------------ inference
+
+    @torch.no_grad()
+    def postprocess(self, class_logits: Tensor, box_deltas: Tensor, proposals: List[Tensor],
+                    image_sizes: List[Tuple[int, int]]) -> List[Dict[str, Tensor]]:
+        """Softmax, class-specific decoding, clipping, score threshold, per-class NMS, top-k.
+
+        Returns:
+            per image ``{"boxes": [M, 4], "scores": [M], "labels": [M]}`` (labels 1..K),
+            sorted by decreasing score.
+        """
+        num_classes_with_bg = class_logits.shape[1]
+        scores_all = F.softmax(class_logits.float(), dim=-1)
+        deltas_all = box_deltas.float().view(-1, num_classes_with_bg, 4)
+        results = []
+        for scores, deltas, props, size in zip(scores_all.split([len(p) for p in proposals]),
+                                               deltas_all.split([len(p) for p in proposals]),
+                                               proposals, image_sizes):
+            fg_scores = scores[:, 1:]  # [P, K]
+            roi_idx, cls_idx = torch.where(fg_scores > self.score_thresh)
+            labels = cls_idx + 1
+            s = fg_scores[roi_idx, cls_idx]
+            boxes = self.box_coder.decode(deltas[roi_idx, labels], props[roi_idx])
+            boxes = clip_boxes_to_image(boxes, size)
+            w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+            keep = torch.where((w >= self.min_box_size) & (h >= self.min_box_size))[0]
+            boxes, s, labels = boxes[keep], s[keep], labels[keep]
+            keep = batched_nms(boxes, s, labels, self.nms_thresh)[: self.detections_per_img]
+            results.append({"boxes": boxes[keep], "scores": s[keep], "labels": labels[keep]})
+        return results
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        features: List[Tensor],
+        proposals: List[Tensor],
+        image_sizes: List[Tuple[int, int]],
+        targets: Optional[List[Dict[str, Tensor]]] = None,
+    ) -> Tuple[List[Dict[str, Tensor]], Dict[str, Tensor]]:
+        """
+        Args:
+            features: the pooled levels, ``[N, C, H_l, W_l]`` each.
+            proposals: per image ``[P_i, 4]``.
+            image_sizes: ``(h, w)`` per image before padding.
+            targets: per image ``boxes`` ``[G, 4]`` and ``labels`` ``[G]`` (training).
+
+        Returns:
+            (detections, {}) without targets, ([], losses) with them.
+        """
+        if targets is not None:
+            rois, labels, reg_targets, valid = self.sample_proposals(proposals, targets)
+            x = self.box_head(self.box_roi_pool(features, rois))
+            class_logits, box_deltas = self.box_predictor(x)
+            return [], self.losses(class_logits, box_deltas, labels, reg_targets, valid)
+        x = self.box_head(self.box_roi_pool(features, proposals))
+        class_logits, box_deltas = self.box_predictor(x)
+        return self.postprocess(class_logits, box_deltas, proposals, image_sizes), {}

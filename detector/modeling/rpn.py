@@ -1,0 +1,258 @@
+"""Region Proposal Network: head, proposals, anchor targets and losses.
+
+Shapes: N images, L levels, A anchors per location, ``T = sum_l H_l * W_l * A``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.ops import batched_nms, clip_boxes_to_image
+
+from .anchors import AnchorGenerator
+from .box_coder import BoxCoder
+from .losses import weighted_smooth_l1
+from .matching import Sample, match_by_iou, sample_minibatch
+
+
+class RPNHead(nn.Module):
+    """Shared conv(s) + ReLU, then 1x1 convs for objectness and deltas.
+
+    Parameter names follow torchvision: ``conv.0.0`` (first 3x3 conv), ``cls_logits``,
+    ``bbox_pred``. Convs are initialised with N(0, 0.01), biases with 0.
+
+    Forward: list of ``[N, C, H_l, W_l]`` -> (list of ``[N, A, H_l, W_l]`` logits,
+    list of ``[N, 4A, H_l, W_l]`` deltas).
+    """
+
+    def __init__(self, in_channels: int, num_anchors: int, conv_depth: int = 1) -> None:
+        super().__init__()
+        if conv_depth < 1:
+            raise ValueError(f"rpn.conv_depth must be >= 1, got {conv_depth}")
+        self.conv = nn.Sequential(*[
+            nn.Sequential(nn.Conv2d(in_channels, in_channels, 3, padding=1), nn.ReLU(inplace=True))
+            for _ in range(conv_depth)
+        ])
+        self.cls_logits = nn.Conv2d(in_channels, num_anchors, 1)
+        self.bbox_pred = nn.Conv2d(in_channels, num_anchors * 4, 1)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.normal_(m.weight, std=0.01)
+                nn.init.constant_(m.bias, 0.0)
+
+    def forward(self, features: List[Tensor]) -> Tuple[List[Tensor], List[Tensor]]:
+        logits, deltas = [], []
+        for x in features:
+            t = self.conv(x)
+            logits.append(self.cls_logits(t))
+            deltas.append(self.bbox_pred(t))
+        return logits, deltas
+
+
+def flatten_head_outputs(logits: List[Tensor], deltas: List[Tensor]) -> Tuple[List[Tensor], List[Tensor]]:
+    """Per level: ``[N, A, H, W]`` -> ``[N, H*W*A]`` and ``[N, 4A, H, W]`` -> ``[N, H*W*A, 4]``
+    (the anchor order of ``AnchorGenerator``)."""
+    flat_logits, flat_deltas = [], []
+    for lg, dl in zip(logits, deltas):
+        n, a, h, w = lg.shape
+        flat_logits.append(lg.permute(0, 2, 3, 1).reshape(n, -1))
+        flat_deltas.append(dl.view(n, a, 4, h, w).permute(0, 3, 4, 1, 2).reshape(n, -1, 4))
+    return flat_logits, flat_deltas
+
+
+def rpn_outside_weights(sample: Sample, positive_weight: float) -> Tensor:
+    """Per-anchor outside weights of the sampled anchors (py-faster-rcnn).
+
+    ``positive_weight < 0``: ``1 / num_sampled`` for every sampled anchor (they sum to 1).
+    ``positive_weight = p`` in (0, 1): ``p / num_pos`` for foreground and
+    ``(1 - p) / num_neg`` for background anchors.
+
+    Returns:
+        ``[S]`` float, 0 on invalid slots.
+    """
+    valid = sample.valid.float()
+    if positive_weight < 0:
+        return valid / valid.sum().clamp(min=1.0)
+    if not 0.0 < positive_weight < 1.0:
+        raise ValueError(f"rpn.positive_weight must be -1 or in (0, 1), got {positive_weight}")
+    fg = sample.foreground.float()
+    bg = valid - fg
+    return positive_weight * fg / fg.sum().clamp(min=1.0) + (1.0 - positive_weight) * bg / bg.sum().clamp(min=1.0)
+
+
+class RegionProposalNetwork(nn.Module):
+    """Proposals from anchors, and the RPN losses in training.
+
+    Args:
+        anchor_generator: anchors per level.
+        head: ``RPNHead``.
+        box_coder_weights: ``rpn.box_coder_weights``.
+        pre_nms_topk: (train, test) top-k per level before NMS.
+        post_nms_topk: (train, test) proposals kept per image after NMS.
+        nms_thresh, min_size, score_thresh: proposal filtering (min_size in pixels,
+            score_thresh on the sigmoid objectness).
+        fg_iou_thresh, bg_iou_thresh: anchor labels (>= fg foreground, < bg background).
+        batch_size_per_image, positive_fraction: anchor sampling.
+        sigma, positive_weight: the weighted SmoothL1 (see ``rpn_outside_weights``).
+    """
+
+    def __init__(
+        self,
+        anchor_generator: AnchorGenerator,
+        head: RPNHead,
+        box_coder_weights: Sequence[float] = (1.0, 1.0, 1.0, 1.0),
+        pre_nms_topk: Tuple[int, int] = (2000, 1000),
+        post_nms_topk: Tuple[int, int] = (2000, 1000),
+        nms_thresh: float = 0.7,
+        min_size: float = 1e-3,
+        score_thresh: float = 0.0,
+        fg_iou_thresh: float = 0.7,
+        bg_iou_thresh: float = 0.3,
+        batch_size_per_image: int = 256,
+        positive_fraction: float = 0.5,
+        sigma: float = 3.0,
+        positive_weight: float = -1.0,
+    ) -> None:
+        super().__init__()
+        self.anchor_generator = anchor_generator
+        self.head = head
+        self.box_coder = BoxCoder(box_coder_weights)
+        self.pre_nms_topk = pre_nms_topk
+        self.post_nms_topk = post_nms_topk
+        self.nms_thresh = nms_thresh
+        self.min_size = min_size
+        self.score_thresh = score_thresh
+        self.fg_iou_thresh = fg_iou_thresh
+        self.bg_iou_thresh = bg_iou_thresh
+        self.batch_size_per_image = batch_size_per_image
+        self.positive_fraction = positive_fraction
+        self.sigma = sigma
+        self.positive_weight = positive_weight
+        if positive_weight >= 0 and not 0.0 < positive_weight < 1.0:
+            raise ValueError(f"rpn.positive_weight must be -1 or in (0, 1), got {positive_weight}")
+
+    # ------------------------------------------------------------------ proposals
+
+    @torch.no_grad()
+    def propose(
+        self,
+        anchors: List[Tensor],
+        logits: List[Tensor],
+        deltas: List[Tensor],
+        image_sizes: List[Tuple[int, int]],
+    ) -> List[Tensor]:
+        """Decode the top anchors of each level, clip, filter, NMS per level.
+
+        Args:
+            anchors: per level ``[T_l, 4]``.
+            logits: per level ``[N, T_l]``; deltas: per level ``[N, T_l, 4]``.
+            image_sizes: ``(h, w)`` of each image before padding (boxes are clipped to it).
+
+        Returns:
+            per image ``[P_i, 4]`` proposals sorted by decreasing objectness.
+        """
+        pre_nms = self.pre_nms_topk[0] if self.training else self.pre_nms_topk[1]
+        post_nms = self.post_nms_topk[0] if self.training else self.post_nms_topk[1]
+        num_images = logits[0].shape[0]
+        all_boxes, all_scores, all_levels = [], [], []
+        for level, (anc, lg, dl) in enumerate(zip(anchors, logits, deltas)):
+            k = min(pre_nms, lg.shape[1])
+            top_logits, top_idx = lg.detach().topk(k, dim=1)  # [N, k]
+            top_deltas = torch.gather(dl.detach(), 1, top_idx[:, :, None].expand(-1, -1, 4)).float()  # [N, k, 4]
+            top_anchors = anc[top_idx]  # [N, k, 4]
+            boxes = self.box_coder.decode(top_deltas.reshape(-1, 4), top_anchors.reshape(-1, 4))
+            all_boxes.append(boxes.view(num_images, k, 4))
+            all_scores.append(torch.sigmoid(top_logits.float()))
+            all_levels.append(torch.full((k,), level, dtype=torch.int64, device=lg.device))
+        boxes = torch.cat(all_boxes, dim=1)
+        scores = torch.cat(all_scores, dim=1)
+        levels = torch.cat(all_levels)
+
+        proposals = []
+        for i, size in enumerate(image_sizes):
+            b = clip_boxes_to_image(boxes[i], size)
+            s = scores[i]
+            w, h = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
+            keep = (w >= self.min_size) & (h >= self.min_size)
+            if self.score_thresh > 0:
+                keep &= s >= self.score_thresh
+            keep = torch.where(keep)[0]
+            b, s, lv = b[keep], s[keep], levels[keep]
+            keep = batched_nms(b, s, lv, self.nms_thresh)[:post_nms]
+            proposals.append(b[keep])
+        return proposals
+
+    # ------------------------------------------------------------------ training
+
+    def losses(
+        self,
+        anchors: Tensor,
+        logits: Tensor,
+        deltas: Tensor,
+        targets: List[Dict[str, Tensor]],
+    ) -> Dict[str, Tensor]:
+        """Objectness BCE and weighted SmoothL1 on the sampled anchors.
+
+        Each image's losses are normalised as in py-faster-rcnn (the BCE by the number
+        of sampled anchors, the box loss by the outside weights); the batch loss is the
+        mean over images.
+
+        Args:
+            anchors: ``[T, 4]`` all levels concatenated.
+            logits: ``[N, T]``; deltas: ``[N, T, 4]``.
+            targets: per image ``boxes`` ``[G, 4]``.
+        """
+        loss_cls = logits.new_zeros(())
+        loss_box = logits.new_zeros(())
+        for i, target in enumerate(targets):
+            gt = target["boxes"]
+            labels, matched, _ = match_by_iou(gt, anchors, self.fg_iou_thresh, 0.0, self.bg_iou_thresh,
+                                              allow_low_quality=True)
+            sample = sample_minibatch(labels, self.batch_size_per_image, self.positive_fraction)
+            idx = sample.index
+            valid = sample.valid.to(logits.dtype)
+            fg = sample.foreground.to(logits.dtype)
+            bce = F.binary_cross_entropy_with_logits(logits[i, idx], fg, reduction="none")
+            loss_cls = loss_cls + (bce * valid).sum() / valid.sum().clamp(min=1.0)
+            if gt.shape[0] > 0:
+                reg_targets = self.box_coder.encode(anchors[idx], gt[matched[idx]])
+                inside = fg[:, None].expand(-1, 4)
+                outside = rpn_outside_weights(sample, self.positive_weight)[:, None].expand(-1, 4)
+                loss_box = loss_box + weighted_smooth_l1(deltas[i, idx], reg_targets, inside, outside, self.sigma)
+            else:
+                loss_box = loss_box + 0.0 * deltas[i, idx].sum()
+        n = max(len(targets), 1)
+        return {"loss_rpn_cls": loss_cls / n, "loss_rpn_box": loss_box / n}
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        features: List[Tensor],
+        image_size: Tuple[int, int],
+        image_sizes: List[Tuple[int, int]],
+        targets: Optional[List[Dict[str, Tensor]]] = None,
+    ) -> Tuple[List[Tensor], Dict[str, Tensor]]:
+        """
+        Args:
+            features: per level ``[N, C, H_l, W_l]``.
+            image_size: ``(H, W)`` of the padded batch.
+            image_sizes: ``(h, w)`` of each image before padding.
+            targets: per image dicts with ``boxes`` (training only).
+
+        Returns:
+            proposals (per image ``[P_i, 4]``) and a dict of losses (empty without targets).
+        """
+        logits, deltas = self.head(features)
+        logits, deltas = flatten_head_outputs(logits, deltas)
+        feature_sizes = [tuple(f.shape[-2:]) for f in features]
+        anchors = self.anchor_generator(image_size, feature_sizes, features[0].device, torch.float32)
+        proposals = self.propose(anchors, logits, deltas, image_sizes)
+        losses: Dict[str, Tensor] = {}
+        if targets is not None:
+            losses = self.losses(torch.cat(anchors), torch.cat(logits, 1).float(), torch.cat(deltas, 1).float(),
+                                 targets)
+        return proposals, losses

@@ -1,0 +1,135 @@
+"""tools/benchmark.py and detector.engine.benchmark: JSON fields, sane values, the
+torchvision counterpart's configuration, the scoring comparison, bad arguments."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from detector.config import load_config
+from detector.engine import benchmark as bm
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_cpu.yaml"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("benchmark_tool", ROOT / "tools" / "benchmark.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+RUN_FIELDS = (
+    "iters", "median_s", "mean_s", "std_s", "min_s", "max_s", "iqr_s",
+    "images_per_iter", "images_per_s", "peak_memory_bytes", "memory_kind", "times_s",
+)
+
+
+def _check_run(run: dict, iters: int) -> None:
+    for key in RUN_FIELDS:
+        assert key in run, f"missing field {key}"
+    assert run["iters"] == iters and len(run["times_s"]) == iters
+    assert 0 < run["min_s"] <= run["median_s"] <= run["max_s"] < 600
+    assert run["std_s"] >= 0 and run["iqr_s"] >= 0
+    assert run["images_per_iter"] >= 1
+    assert math.isclose(run["images_per_s"], run["images_per_iter"] / run["median_s"], rel_tol=1e-9)
+    assert run["memory_kind"] == "cpu_peak_rss"
+    # A process running torch holds tens of MiB at least, and this test far less than 16 GiB.
+    assert 20 * 2**20 < run["peak_memory_bytes"] < 16 * 2**30
+
+
+def test_train_json_tiny_config(tmp_path):
+    out = tmp_path / "bench.json"
+    tool = _load_tool()
+    rc = tool.main([
+        "--config", str(TINY), "--task", "train", "--iters", "2", "--warmup", "1", "--num-batches", "2",
+        "--compare-torchvision", "--json", str(out), "train.device=cpu", f"data.train.root={tmp_path / 'shapes'}",
+        f"data.val.root={tmp_path / 'shapes'}", "data.shapes.num_train=12", "data.shapes.num_val=4",
+    ])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    for key in ("task", "config", "machine", "device", "iters", "warmup", "runs", "ratio", "options", "wall_s"):
+        assert key in result, f"missing field {key}"
+    assert result["task"] == "train" and result["iters"] == 2 and result["device"] == "cpu"
+    assert result["machine"]["cpu_count"] >= 1 and result["machine"]["torch"] == torch.__version__
+    assert set(result["runs"]) == {"ours", "torchvision", "ours_loader"}
+    for run in result["runs"].values():
+        _check_run(run, 2)
+    cfg = load_config(TINY)
+    assert result["runs"]["ours"]["images_per_iter"] == cfg.solver.images_per_gpu
+    assert result["ratio"] > 0 and math.isfinite(result["ratio"])
+    expected = result["runs"]["ours"]["images_per_s"] / result["runs"]["torchvision"]["images_per_s"]
+    assert math.isclose(result["ratio"], expected, rel_tol=1e-9)
+    assert result["runs"]["ours_loader"]["data_wait_median_s"] >= 0
+
+
+def test_summarize_times_matches_numpy():
+    times = [0.5, 0.1, 0.3, 0.2, 0.4]
+    s = bm.summarize_times(times, images_per_iter=2)
+    assert s["median_s"] == 0.3 and s["min_s"] == 0.1 and s["max_s"] == 0.5
+    assert math.isclose(s["images_per_s"], 2 / 0.3)
+    assert math.isclose(s["std_s"], torch.tensor(times, dtype=torch.float64).std().item())
+    assert math.isclose(s["iqr_s"], 0.4 - 0.2)
+    with pytest.raises(ValueError, match="no timed iterations"):
+        bm.summarize_times([], 1)
+
+
+def test_peak_rss_sees_an_allocation():
+    dev = torch.device("cpu")
+    bm.reset_peak_memory(dev)
+    base = bm.peak_memory_bytes(dev)
+    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert bm.peak_memory_bytes(dev) >= base + 50 * 2**20
+    del x
+
+
+def test_torchvision_counterpart_matches_config():
+    cfg = load_config(TINY, ["train.device=cpu"]) if TINY.exists() else load_config(None, ["model.backbone=resnet18"])
+    tv = bm.build_torchvision_model(cfg)
+    assert tv.rpn.anchor_generator.sizes == tuple(tuple(float(s) for s in lv) for lv in cfg.model.anchors.sizes)
+    assert tv.rpn._pre_nms_top_n["training"] == cfg.rpn.pre_nms_topk_train
+    assert tv.rpn._post_nms_top_n["testing"] == cfg.rpn.post_nms_topk_test
+    assert tv.rpn.nms_thresh == cfg.rpn.nms_thresh
+    assert tv.rpn.fg_bg_sampler.batch_size_per_image == cfg.rpn.batch_size_per_image
+    assert tv.roi_heads.fg_bg_sampler.batch_size_per_image == cfg.roi_heads.batch_size_per_image
+    assert tv.roi_heads.fg_bg_sampler.positive_fraction == cfg.roi_heads.positive_fraction
+    assert tv.roi_heads.box_coder.weights == tuple(cfg.roi_heads.box_coder_weights)
+    assert tv.roi_heads.box_predictor.cls_score.out_features == cfg.model.num_classes + 1
+    assert tv.roi_heads.box_head.fc7.out_features == cfg.roi_heads.representation_size
+    assert tv.backbone.out_channels == cfg.model.fpn_channels
+    # freeze_at=k freezes the stem (k >= 1) and layer1..layer{k-1}, like torchvision's
+    # trainable_layers = 5 - k.
+    stage_index = {"conv1": 1, "bn1": 1, "layer1": 2, "layer2": 3, "layer3": 4, "layer4": 5}
+    for name, p in tv.backbone.body.named_parameters():
+        frozen = stage_index[name.split(".")[0]] <= cfg.model.freeze_at
+        assert p.requires_grad != frozen, name
+    # No resizing: an image comes out of the transform at its own size (padded to /32).
+    tv.eval()
+    images, _ = tv.transform([torch.rand(3, 100, 130)])
+    assert images.image_sizes == [(100, 130)] and images.tensors.shape[-2:] == (128, 160)
+
+
+def test_eval_scoring_matches_pycocotools():
+    cfg = load_config(None)
+    result = bm.benchmark_eval(cfg, iters=1, warmup=0, num_images=20, dets_per_image=10)
+    assert {"pycocotools_direct", "ours_pycocotools"} <= set(result["runs"])
+    for name, diff in result["max_abs_diff_vs_pycocotools"].items():
+        assert diff < 1e-9, name
+    for run in result["runs"].values():
+        assert run["images_per_iter"] == 20 and run["median_s"] > 0
+
+
+def test_bad_arguments_have_clear_messages():
+    cfg = load_config(None)
+    with pytest.raises(ValueError, match="--task must be one of"):
+        bm.run_benchmark(cfg, "fly")
+    with pytest.raises(ValueError, match="--iters must be >= 1"):
+        bm.run_benchmark(cfg, "train", iters=0)
+    with pytest.raises(ValueError, match="--compare-torchvision applies to --task train or infer"):
+        bm.run_benchmark(cfg, "eval", compare_torchvision=True)

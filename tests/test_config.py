@@ -1,0 +1,109 @@
+"""Config loading: unknown keys, wrong types, ``base:`` inheritance, overrides, round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from detector.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    save_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_unknown_override_names_key_and_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["solver.lrr=0.1"])
+    msg = str(e.value)
+    assert "'solver.lrr'" in msg and "did you mean 'solver.lr'" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    f = _write(tmp_path / "c.yaml", "solver:\n  max_iters: 10\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    msg = str(e.value)
+    assert str(f) in msg and "'solver.max_iters'" in msg and "'solver.max_iter'" in msg
+
+
+def test_unknown_section_and_param_group_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"'sovler'.*did you mean 'solver'"):
+        load_config(None, ["sovler.lr=0.1"])
+    f = _write(tmp_path / "c.yaml", "solver:\n  param_groups:\n    - {match: backbone, lr_mul: 0.1}\n")
+    with pytest.raises(ConfigError, match=r"solver\.param_groups\[0\]\.lr_mul.*lr_mult"):
+        load_config(f)
+
+
+def test_string_for_float_names_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"solver\.lr"):
+        load_config(None, ["solver.lr=fast"])
+    f = _write(tmp_path / "c.yaml", "solver:\n  max_iter: many\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert "solver.max_iter" in str(e.value) and str(f) in str(e.value)
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["solver.lr"])
+
+
+def test_base_chain_and_override_order(tmp_path):
+    (tmp_path / "sub").mkdir()
+    _write(tmp_path / "a.yaml", "solver:\n  lr: 0.1\n  max_iter: 100\n  steps: [50]\nmodel:\n  backbone: resnet34\n")
+    _write(tmp_path / "sub" / "b.yaml", "base: ../a.yaml\nsolver:\n  lr: 0.2\n  warmup_iters: 7\n")
+    c = _write(tmp_path / "c.yaml", "base: sub/b.yaml\nsolver:\n  max_iter: 300\n")
+    cfg = load_config(c)
+    assert cfg.solver.lr == 0.2  # b over a
+    assert cfg.solver.max_iter == 300  # c over a
+    assert cfg.solver.warmup_iters == 7 and cfg.solver.steps == [50] and cfg.model.backbone == "resnet34"
+    assert cfg.solver.gamma == Config().solver.gamma  # schema default
+    cfg = load_config(c, ["solver.lr=0.3", "solver.lr=0.4", "solver.steps=[10,20]", "train.amp.enabled=true"])
+    assert cfg.solver.lr == 0.4 and cfg.solver.steps == [10, 20] and cfg.train.amp.enabled is True
+
+
+def test_base_cycle_and_missing_file(tmp_path):
+    _write(tmp_path / "a.yaml", "base: b.yaml\n")
+    _write(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_yaml_is_read_safely(tmp_path):
+    f = _write(tmp_path / "evil.yaml", "solver: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f)
+
+
+def test_round_trip_yaml_and_checkpoint_data(tmp_path):
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", ["solver.param_groups=[{match: backbone.body, lr_mult: 0.1}]"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+    torch.save({"config": config_to_dict(cfg)}, tmp_path / "c.pth")
+    data = torch.load(tmp_path / "c.pth", weights_only=True)["config"]
+    assert config_from_dict(data) == cfg
+    assert dataclasses.asdict(cfg) == data
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert cfg.solver.max_iter > 0

@@ -1,0 +1,183 @@
+"""tools/eval.py (file mode), tools/infer.py, result files and plots."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import csv
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+from detector.evaluation import COCO_METRIC_NAMES
+from detector.evaluation.plots import plot_confusion_matrix, plot_pr_curves
+from eval_fixtures import make_coco_case
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference_stats(gt, dets):
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_gt = COCO()
+        coco_gt.dataset = copy.deepcopy(gt)
+        coco_gt.createIndex()
+        ev = COCOeval(coco_gt, coco_gt.loadRes(copy.deepcopy(dets)), "bbox")
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return np.asarray(ev.stats)[:12]
+
+
+def printed_numbers(text):
+    """The 12 COCO numbers from the printed table."""
+    values = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] in COCO_METRIC_NAMES and len(parts) > 2:
+            values[parts[0]] = float(parts[-1])
+    return np.array([values[k] for k in COCO_METRIC_NAMES])
+
+
+def assert_png_not_blank(path):
+    assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(path) as img:
+        img.verify()
+    with Image.open(path) as img:
+        pixels = np.asarray(img.convert("RGB"), dtype=np.float64)
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert pixels.std() > 5.0  # not a flat image
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20  # more than a few colours
+
+
+@pytest.fixture(scope="module")
+def case_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("case")
+    gt, dets = make_coco_case()
+    (d / "gt.json").write_text(json.dumps(gt))
+    (d / "dets.json").write_text(json.dumps(dets))
+    return d, gt, dets
+
+
+@pytest.mark.parametrize("backend", ["pycocotools", "faster"])
+def test_file_mode_matches_pycocotools(case_files, tmp_path, capsys, backend):
+    d, gt, dets = case_files
+    out = tmp_path / "out"
+    rc = load_tool("eval").main(
+        ["--predictions", str(d / "dets.json"), "--annotations", str(d / "gt.json"), "--output-dir", str(out),
+         f"eval.backend={backend}"]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    ref = reference_stats(gt, dets)
+    # The table prints 10 decimals; metrics.json holds the full floats.
+    np.testing.assert_allclose(printed_numbers(text), ref, atol=1e-9)
+    metrics = json.loads((out / "metrics.json").read_text())
+    np.testing.assert_allclose([metrics[k] for k in COCO_METRIC_NAMES], ref, rtol=0, atol=1e-9)
+    for key in ("mAP_voc07", "mAP_voc_area", "mean_iou", "precision_50", "recall_75", "count_mae"):
+        assert key in metrics
+    assert json.loads((out / "detections.json").read_text()) == dets
+    with (out / "per_class.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["category_id"]) for r in rows] == [c["id"] for c in gt["categories"]]
+    assert_png_not_blank(out / "pr_curves.png")
+    assert_png_not_blank(out / "confusion_matrix.png")
+
+
+@pytest.mark.slow
+def test_file_mode_errors_exit_nonzero_with_one_line(case_files, tmp_path):
+    d, gt, dets = case_files
+    bad = dets + [{"image_id": 4242, "category_id": 1, "bbox": [1, 1, 5, 5], "score": 0.3}]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "eval.py"), "--predictions", str(tmp_path / "bad.json"),
+         "--annotations", str(d / "gt.json")],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert proc.returncode != 0
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "image_id 4242" in err[0], proc.stderr
+    tool = load_tool("eval")
+    assert tool.main(["--predictions", str(tmp_path / "missing.json"), "--annotations", str(d / "gt.json")]) == 1
+    with pytest.raises(SystemExit):  # argparse: needs exactly one ground truth
+        tool.main(["--predictions", str(d / "dets.json")])
+
+
+def test_predictions_as_coco_dict_are_matched_by_name(case_files, tmp_path, capsys):
+    """A COCO-format dict with its own ids maps onto the ground truth by file and class name."""
+    d, gt, dets = case_files
+    img_ids = {img["id"]: k for k, img in enumerate(gt["images"])}
+    cat_ids = {c["id"]: 50 + k for k, c in enumerate(gt["categories"])}
+    other = {
+        "images": [{"id": img_ids[i["id"]], "file_name": i["file_name"]} for i in gt["images"]],
+        "categories": [{"id": cat_ids[c["id"]], "name": c["name"]} for c in gt["categories"]],
+        "annotations": [dict(r, image_id=img_ids[r["image_id"]], category_id=cat_ids[r["category_id"]]) for r in dets],
+    }
+    (tmp_path / "dict.json").write_text(json.dumps(other))
+    assert load_tool("eval").main(["--predictions", str(tmp_path / "dict.json"), "--annotations", str(d / "gt.json")]) == 0
+    np.testing.assert_allclose(printed_numbers(capsys.readouterr().out), reference_stats(gt, dets), atol=1e-9)
+
+
+def test_plots_are_valid_pngs(tmp_path):
+    rng = np.random.default_rng(0)
+    curves = {f"c{i}": (np.sort(rng.random(20)), rng.random(20), 0.5) for i in range(4)}
+    assert_png_not_blank(plot_pr_curves(curves, tmp_path / "pr.png"))
+    matrix = rng.integers(0, 10, size=(5, 5))
+    assert_png_not_blank(plot_confusion_matrix(matrix, ["a", "b", "c", "d"], tmp_path / "cm.png"))
+    with pytest.raises(ValueError, match="does not fit 3 classes"):
+        plot_confusion_matrix(matrix, ["a", "b", "c"], tmp_path / "bad.png")
+
+
+def test_infer_writes_one_annotated_image_per_input(tmp_path):
+    from detector.config import load_config
+    from detector.modeling import build_model
+
+    cfg_args = ["roi_heads.score_thresh=0.01", "input.min_size_test=96", "input.max_size_test=128"]
+    torch.manual_seed(0)
+    model = build_model(load_config(ROOT / "configs" / "tiny_cpu.yaml", cfg_args))
+    torch.save(model.state_dict(), tmp_path / "w.pth")
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    rng = np.random.default_rng(0)
+    sizes = [(90, 120), (140, 100)]
+    for i, (h, w) in enumerate(sizes):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(inputs / f"im{i}.jpg")
+    (inputs / "notes.txt").write_text("not an image")
+    out = tmp_path / "out"
+    rc = load_tool("infer").main(
+        ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(tmp_path / "w.pth"),
+         "--input", str(inputs), "--output-dir", str(out), "--score-thresh", "0.0", *cfg_args]
+    )
+    assert rc == 0
+    pngs = sorted(out.glob("*.png"))
+    assert [p.name for p in pngs] == ["im0.png", "im1.png"]
+    records = json.loads((out / "detections.json").read_text())
+    assert len(records) == 2
+    for (h, w), png, rec in zip(sizes, pngs, records):
+        drawn = np.asarray(Image.open(png).convert("RGB"))
+        assert drawn.shape == (h, w, 3)
+        original = np.asarray(Image.open(inputs / Path(rec["file"]).name).convert("RGB"))
+        assert len(rec["boxes"]) > 0 and (drawn != original).any()  # boxes were drawn
+        boxes = np.array(rec["boxes"])
+        assert (boxes[:, 2] <= w + 1e-3).all() and (boxes[:, 3] <= h + 1e-3).all() and (boxes >= 0).all()
+    rc = load_tool("infer").main(
+        ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(tmp_path / "w.pth"),
+         "--input", str(tmp_path / "nothing"), "--output-dir", str(out)]
+    )
+    assert rc == 1

@@ -1,0 +1,101 @@
+"""The generated shapes set: determinism, content constraints, generation on first use."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from detector.config import load_config
+from detector.data import build_dataset
+from detector.data.shapes import CLASS_NAMES, MIN_OBJECT_SIDE, ensure_shapes, generate_shapes, main
+
+
+def _files(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    a = generate_shapes(tmp_path / "a", 5, 2, seed=3, min_side=64, max_side=96)
+    b = generate_shapes(tmp_path / "b", 5, 2, seed=3, min_side=64, max_side=96)
+    c = generate_shapes(tmp_path / "c", 5, 2, seed=4, min_side=64, max_side=96)
+    fa, fb, fc = _files(a), _files(b), _files(c)
+    assert (a / "train.json").read_bytes() == (b / "train.json").read_bytes()
+    assert fa == fb  # images too
+    assert (a / "train.json").read_bytes() != (c / "train.json").read_bytes()
+    assert (a / "val.json").read_bytes() != (c / "val.json").read_bytes()
+    assert fa["train/000001.jpg"] != fc["train/000001.jpg"]
+
+
+def test_content_constraints(tmp_path):
+    root = generate_shapes(tmp_path / "s", 30, 0, seed=0, min_side=96, max_side=160)
+    data = json.loads((root / "train.json").read_text())
+    assert [c["name"] for c in data["categories"]] == list(CLASS_NAMES)
+    per_image = {im["id"]: [] for im in data["images"]}
+    for a in data["annotations"]:
+        per_image[a["image_id"]].append(a)
+    sizes = set()
+    for im in data["images"]:
+        w, h = im["width"], im["height"]
+        assert 96 <= w <= 160 and 96 <= h <= 160
+        sizes.add((w, h))
+        assert Image.open(root / "train" / im["file_name"]).size == (w, h)
+        anns = per_image[im["id"]]
+        assert 1 <= len(anns) <= 6
+        for a in anns:
+            x, y, bw, bh = a["bbox"]
+            assert x >= 0 and y >= 0 and x + bw <= w and y + bh <= h
+            assert max(bw, bh) >= MIN_OBJECT_SIDE - 0.01
+            assert a["area"] > 0 and a["iscrowd"] == 0
+    assert len(sizes) > 20  # sides and aspect ratios vary
+    assert {a["category_id"] for a in data["annotations"]} == {1, 2, 3}
+    counts = [len(v) for v in per_image.values()]
+    assert min(counts) < max(counts)
+
+
+def test_colour_varies_within_a_class_and_objects_stand_out(tmp_path):
+    root = generate_shapes(tmp_path / "s", 20, 0, seed=1, min_side=96, max_side=128)
+    data = json.loads((root / "train.json").read_text())
+    images = {im["id"]: np.asarray(Image.open(root / "train" / im["file_name"]), dtype=np.float32)
+              for im in data["images"]}
+    centre_colours = {1: [], 2: [], 3: []}
+    for a in data["annotations"]:
+        x, y, w, h = a["bbox"]
+        img = images[a["image_id"]]
+        cx, cy = int(x + w / 2), int(y + h / 2)
+        centre_colours[a["category_id"]].append(img[cy, cx])
+    for cls, colours in centre_colours.items():
+        colours = np.stack(colours)
+        assert colours.std(axis=0).max() > 30, f"class {cls} has nearly one colour"
+
+
+def test_generated_on_first_use_from_config(tmp_path):
+    root = tmp_path / "shapes"
+    cfg = load_config(None, ["data.format=shapes", f"data.train.root={root}", f"data.val.root={root}",
+                             "data.shapes.num_train=4", "data.shapes.num_val=2", "data.shapes.min_side=64",
+                             "data.shapes.max_side=80", "input.min_size_test=64", "input.max_size_test=100"])
+    assert not root.exists()
+    ds = build_dataset(cfg, "val", is_train=False)
+    assert (root / "train.json").is_file() and len(ds) == 2
+    assert ds.class_names == list(CLASS_NAMES)
+    assert ds.label_to_category_id == {1: 1, 2: 2, 3: 3}
+    image, target = ds[0]
+    assert min(image.shape[1:]) == 64
+    # An existing folder is left alone.
+    stamp = (root / "train.json").stat().st_mtime_ns
+    ensure_shapes(root, 9, 9)
+    assert (root / "train.json").stat().st_mtime_ns == stamp
+
+
+def test_cli(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "o"), "--train", "2", "--val", "1", "--seed", "5",
+                 "--min-side", "64", "--max-side", "70"]) == 0
+    assert len(json.loads((tmp_path / "o" / "val.json").read_text())["images"]) == 1
+    assert "wrote 2 train and 1 val images" in capsys.readouterr().out
+
+
+def test_bad_sides(tmp_path):
+    with pytest.raises(ValueError, match=r"min_side <= max_side, got min_side=100, max_side=50"):
+        generate_shapes(tmp_path, 1, 1, min_side=100, max_side=50)

@@ -1,0 +1,71 @@
+"""Time the training step, inference, the data loader or COCO scoring.
+
+    python tools/benchmark.py --config configs/demo_shapes_cpu.yaml --task train --compare-torchvision
+    python tools/benchmark.py --config configs/torchvision_r50_fpn_coco.yaml --task infer \\
+        --compare-torchvision --synthetic input.min_size_test=512 input.max_size_test=683
+    python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --iters 50 --json out.json
+
+Trailing ``key=value`` arguments override the config. See docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from detector.config import load_config
+from detector.engine.benchmark import TASKS, format_summary, run_benchmark
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML config")
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
+    p.add_argument("--compare-torchvision", action="store_true", help="also time torchvision's FasterRCNN, alternating")
+    p.add_argument("--no-loader", action="store_true", help="train: skip the run fed by the real loader")
+    p.add_argument("--synthetic", action="store_true", help="random batches at the input size, not the data set")
+    p.add_argument("--num-batches", type=int, default=4, help="distinct batches cached in memory (default 4)")
+    p.add_argument("--profile", action="store_true", help="train: torch.profiler summary of one step")
+    p.add_argument("--gt", help="eval: COCO ground-truth JSON (default: a synthetic set)")
+    p.add_argument("--results", help="eval: COCO results JSON matching --gt")
+    p.add_argument("--json", dest="json_out", help="write the full result here")
+    p.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    args = p.parse_args(argv)
+    if bool(args.gt) != bool(args.results):
+        p.error("--gt and --results go together")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    cfg = load_config(args.config, args.overrides)
+    result = run_benchmark(
+        cfg,
+        args.task,
+        iters=args.iters,
+        warmup=args.warmup,
+        compare_torchvision=args.compare_torchvision,
+        loader=not args.no_loader,
+        synthetic=args.synthetic,
+        num_batches=args.num_batches,
+        profile=args.profile,
+        gt_file=args.gt,
+        results_file=args.results,
+        config_path=args.config,
+        overrides=args.overrides,
+    )
+    print(format_summary(result))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

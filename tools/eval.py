@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Evaluate a detector, or score a results file.
+
+Run a model (also under ``torchrun``)::
+
+    python tools/eval.py --config runs/x/config.yaml --weights runs/x/checkpoints/best.pth \
+        [--output-dir runs/x/eval] [eval.backend=faster ...]
+
+Score detections without a model (COCO results list, or a COCO-format dict whose
+``images``/``categories`` are matched to the ground truth by file and class name)::
+
+    python tools/eval.py --predictions dets.json --annotations instances.json [--output-dir O]
+    python tools/eval.py --predictions dets.json --voc-root VOCdevkit/VOC2012 --voc-split val
+
+Writes ``metrics.json``, ``detections.json``, ``per_class.csv``, ``pr_curves.png`` and
+``confusion_matrix.png`` into ``--output-dir``; prints the metrics table. Exit status 1
+with a one-line message on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from detector.config import ConfigError, load_config  # noqa: E402
+
+logger = logging.getLogger("detector.tools.eval")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML config of the model and data (model mode)")
+    p.add_argument("--weights", help="checkpoint or state dict to evaluate (model mode)")
+    p.add_argument("--predictions", help="detections JSON to score (file mode)")
+    p.add_argument("--annotations", help="COCO-format ground-truth JSON (file mode)")
+    p.add_argument("--voc-root", help="VOC year folder as ground truth (file mode), e.g. VOCdevkit/VOC2012")
+    p.add_argument("--voc-split", default="val", help="ImageSets/Main list with --voc-root (default: val)")
+    p.add_argument("--output-dir", help="where to write metrics.json, detections.json, per_class.csv, plots")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.backend=faster")
+    args = p.parse_args(argv)
+    model_mode = bool(args.config or args.weights)
+    file_mode = bool(args.predictions or args.annotations or args.voc_root)
+    if model_mode and file_mode:
+        p.error("use either --config/--weights or --predictions with --annotations/--voc-root, not both")
+    if model_mode and not (args.config and args.weights):
+        p.error("model mode needs both --config and --weights")
+    if file_mode:
+        if not args.predictions:
+            p.error("file mode needs --predictions")
+        if bool(args.annotations) == bool(args.voc_root):
+            p.error("file mode needs exactly one of --annotations or --voc-root")
+    if not (model_mode or file_mode):
+        p.error("give --config and --weights, or --predictions with --annotations/--voc-root")
+    return args
+
+
+def score_file(args: argparse.Namespace) -> int:
+    """File mode: score a results file against COCO JSON or VOC XML ground truth."""
+    from detector.evaluation.scoring import (
+        format_table,
+        load_ground_truth,
+        load_predictions,
+        score_detections,
+        write_outputs,
+    )
+
+    cfg = load_config(None, args.overrides)
+    if args.voc_root:
+        from detector.data import VOCDetection
+
+        gt = VOCDetection(args.voc_root, args.voc_split, class_names=cfg.data.class_names or None).coco_gt()
+    else:
+        gt = load_ground_truth(args.annotations)
+    results = load_predictions(args.predictions, gt)
+    report = score_detections(
+        gt,
+        results,
+        backend=cfg.eval.backend,
+        voc_iou_thresh=cfg.eval.voc_iou_thresh,
+        score_thresh=cfg.eval.score_thresh,
+    )
+    print(format_table(report.metrics, report.per_class))
+    if args.output_dir:
+        write_outputs(report, results, args.output_dir)
+        print(f"results written to {args.output_dir}")
+    return 0
+
+
+def run_model(args: argparse.Namespace) -> int:
+    """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
+    from detector.data import build_dataset
+    from detector.engine.checkpoint import load_weights
+    from detector.engine.distributed import cleanup, init_distributed
+    from detector.engine.log import setup_logging
+    from detector.evaluation import evaluate
+    from detector.modeling import build_model
+
+    cfg = load_config(args.config, args.overrides)
+    info = init_distributed(cfg.train.device)
+    try:
+        setup_logging(args.output_dir, rank=info.rank)
+        model = build_model(cfg)
+        load_weights(model, args.weights)
+        model.to(info.device)
+        dataset = build_dataset(cfg, "val", is_train=False)
+        evaluate(model, dataset, cfg, output_dir=args.output_dir)
+        if info.rank == 0 and args.output_dir:
+            print(f"results written to {args.output_dir}")
+    finally:
+        cleanup()
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.predictions:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:
+        return score_file(args) if args.predictions else run_model(args)
+    except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

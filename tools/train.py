@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Train a detector.
+
+    python tools/train.py --config configs/demo_shapes_cpu.yaml
+    torchrun --nproc_per_node=8 tools/train.py --config configs/faster_rcnn_r50_fpn_1x_coco.yaml
+    python tools/train.py --config C --resume                # continue <output_dir>/checkpoints/last.pth
+    python tools/train.py --config C --weights FasterRCNN_ResNet50_FPN_Weights.COCO_V1 solver.lr=0.01
+
+Trailing ``key=value`` arguments override config keys. See docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+# Allow `python tools/train.py` from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from detector.config import ConfigError, load_config  # noqa: E402
+from detector.engine import distributed  # noqa: E402
+from detector.engine.checkpoint import CheckpointError  # noqa: E402
+from detector.engine.log import setup_logging  # noqa: E402
+from detector.engine.trainer import NonFiniteLossError, Trainer, WeightsError  # noqa: E402
+
+logger = logging.getLogger("detector.tools.train")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML config file")
+    p.add_argument("--output-dir", default=None, help="run folder (overrides train.output_dir)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
+                   help="continue a run: from CKPT, or from <output_dir>/checkpoints/last.pth if none is given")
+    p.add_argument("--weights", default=None,
+                   help="initial weights (overrides model.weights): a checkpoint file or a torchvision weights name")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. solver.lr=0.01")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = list(args.overrides)
+    if args.output_dir is not None:
+        overrides.append(f"train.output_dir={args.output_dir}")
+    if args.weights is not None:
+        overrides.append(f"model.weights={args.weights}")
+    rank = 0
+    try:
+        cfg = load_config(args.config, overrides)
+        info = distributed.init_distributed(cfg.train.device)
+        rank = info.rank
+        setup_logging(cfg.train.output_dir, rank)
+        trainer = Trainer(cfg, dist_info=info, resume=args.resume)
+        try:
+            result = trainer.train()
+        finally:
+            trainer.close()
+    except (ConfigError, CheckpointError, WeightsError, NonFiniteLossError, FileNotFoundError, ValueError) as exc:
+        # Expected failures: one line, no traceback.
+        logger.debug("stopped with an error", exc_info=True)  # the traceback goes to log.txt only
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        distributed.cleanup()
+    if rank == 0:
+        metrics = result.metrics
+        if metrics:
+            keys = [k for k in ("AP", "AP50", "AP75", "APs", "APm", "APl", "mAP_voc07") if k in metrics]
+            print("val metrics: " + "  ".join(f"{k} {metrics[k]:.4f}" for k in keys))
+        print(f"{result.status} at iteration {result.iteration}; run folder: {result.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
