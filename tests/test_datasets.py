@@ -33,7 +33,7 @@ def make_coco(tmp: Path, annotations=None, images=None, categories=None) -> tupl
             {"id": 12, "file_name": "c.jpg", "width": 32, "height": 32},  # no annotations
         ]
     for im in images:
-        if not (img_dir / im["file_name"]).exists():
+        if not (img_dir / im["file_name"]).exists() and im["width"] > 0 and im["height"] > 0:
             _write_image(img_dir / im["file_name"], im["width"], im["height"])
     if categories is None:
         categories = [{"id": 90, "name": "toothbrush"}, {"id": 1, "name": "person"}, {"id": 7, "name": "train"}]
@@ -293,3 +293,16 @@ def test_build_dataset_config_errors(tmp_path):
         build_dataset(cfg, "train", True)
     with pytest.raises(ValueError, match=r"split must be 'train' or 'val', got 'test'"):
         build_dataset(cfg, "test", True)
+
+
+def test_duplicate_annotation_id_and_bad_image_fields(tmp_path):
+    anns = [{"id": 1, "image_id": 10, "category_id": 1, "bbox": [1, 1, 5, 5]},
+            {"id": 1, "image_id": 11, "category_id": 1, "bbox": [1, 1, 5, 5]}]
+    with pytest.raises(DataError, match=r"annotation id 1 appears twice"):
+        CocoDetection(*make_coco(tmp_path / "a", annotations=anns))
+    images = [{"id": "x", "file_name": "a.jpg", "width": 40, "height": 30}]
+    with pytest.raises(DataError, match=r"images\[0\] has id 'x'; image ids must be integers"):
+        CocoDetection(*make_coco(tmp_path / "b", images=images, annotations=[]))
+    images = [{"id": 3, "file_name": "a.jpg", "width": 0, "height": 30}]
+    with pytest.raises(DataError, match=r"image_id 3: width/height must be positive numbers, got 0 x 30"):
+        CocoDetection(*make_coco(tmp_path / "c", images=images, annotations=[]))

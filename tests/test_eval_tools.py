@@ -181,3 +181,106 @@ def test_infer_writes_one_annotated_image_per_input(tmp_path):
          "--input", str(tmp_path / "nothing"), "--output-dir", str(out)]
     )
     assert rc == 1
+
+
+# --------------------------------------------------------------------------- model-based parts
+
+
+def test_boxes_back_to_original_size_and_clipped():
+    from detector.evaluation.inference import detections_to_array, to_original_boxes
+
+    target = {"scale": torch.tensor([0.5, 0.25]), "orig_size": torch.tensor([100, 200])}  # h=100, w=200
+    boxes = torch.tensor([[10.0, 10.0, 50.0, 30.0], [-2.0, 5.0, 120.0, 20.0]])
+    out = to_original_boxes(boxes, target)
+    expected = torch.tensor([[20.0, 40.0, 100.0, 100.0], [0.0, 20.0, 200.0, 80.0]])
+    torch.testing.assert_close(out, expected)
+    rows = detections_to_array(7, out, torch.tensor([0.9, 0.4]), torch.tensor([2, 1]), {1: 11, 2: 22})
+    assert rows[:, 0].tolist() == [7, 7] and rows[:, 1].tolist() == [22, 11]
+    assert rows[0, 2:6].tolist() == [20.0, 40.0, 80.0, 60.0]  # x, y, w, h
+    with pytest.raises(ValueError, match="predicted label 3"):
+        detections_to_array(7, out, torch.tensor([0.9, 0.4]), torch.tensor([3, 1]), {1: 11, 2: 22})
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    from detector.config import load_config
+    from detector.data import build_dataset
+
+    data = tmp_path_factory.mktemp("shapes") / "data"
+    overrides = [
+        f"data.val.root={data}", f"data.train.root={data}", "data.shapes.num_train=1", "data.shapes.num_val=3",
+        "data.shapes.min_side=64", "data.shapes.max_side=112", "input.min_size_test=96", "input.max_size_test=128",
+        "roi_heads.score_thresh=0.01", "eval.images_per_gpu=2", "eval.score_thresh=0.2",
+    ]  # fmt: skip
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", overrides)
+    return cfg, overrides, build_dataset(cfg, "val", is_train=False)
+
+
+def test_evaluate_in_process(tiny_setup, tmp_path):
+    from detector.evaluation import evaluate, score_detections
+    from detector.modeling import build_model
+
+    cfg, _, dataset = tiny_setup
+    cfg.eval.compute_val_loss = True
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    model.train()
+    metrics = evaluate(model, dataset, cfg, output_dir=tmp_path)
+    assert model.training  # mode restored
+    for key in (*COCO_METRIC_NAMES, "mAP_voc07", "mAP_voc_area", "mean_iou", "f1_50", "count_pearson"):
+        assert key in metrics
+    for key in ("val_loss_rpn_cls", "val_loss_rpn_box", "val_loss_roi_cls", "val_loss_roi_box"):
+        assert np.isfinite(metrics[key]) and metrics[key] >= 0
+    assert metrics["val_loss"] == pytest.approx(sum(metrics[f"val_{k}"] for k in
+                                                    ("loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box")))
+    dets = json.loads((tmp_path / "detections.json").read_text())
+    assert len(dets) > 0
+    assert {d["category_id"] for d in dets} <= set(dataset.label_to_category_id.values())
+    assert {d["image_id"] for d in dets} <= set(dataset.image_ids)
+    # The returned numbers are those of the written detections against the ground truth.
+    again = score_detections(dataset.coco_gt(), dets, score_thresh=cfg.eval.score_thresh).metrics
+    for k in COCO_METRIC_NAMES:
+        assert metrics[k] == again[k]
+    for name in ("metrics.json", "per_class.csv", "pr_curves.png", "confusion_matrix.png"):
+        assert (tmp_path / name).is_file()
+
+
+def test_val_loss_keeps_norm_layers_and_rng(tiny_setup):
+    from detector.config import load_config
+    from detector.data import build_test_loader
+    from detector.evaluation.inference import compute_val_loss
+    from detector.modeling import build_model
+
+    _, overrides, dataset = tiny_setup
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [*overrides, "model.norm=bn"])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    model.eval()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert norms, "the bn model should have BatchNorm layers"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    out = compute_val_loss(model, build_test_loader(cfg, dataset), progress=False)
+    assert out["count"] == len(dataset)
+    assert all(np.isfinite(v) and v >= 0 for v in out["sum"].values())
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # running stats untouched
+    assert not model.training and not any(m.training for m in model.modules())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+@pytest.mark.gpu
+def test_evaluate_on_cuda_with_amp(tiny_setup, tmp_path):
+    from detector.evaluation import evaluate
+    from detector.modeling import build_model
+
+    cfg, _, dataset = tiny_setup
+    cfg.eval.amp = True
+    cfg.train.amp.dtype = "bfloat16"
+    torch.manual_seed(0)
+    model = build_model(cfg).to("cuda")
+    metrics = evaluate(model, dataset, cfg, output_dir=tmp_path)
+    assert all(k in metrics for k in COCO_METRIC_NAMES)
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert written["num_images"] == len(dataset) and written["time_per_image_ms"] > 0
+    assert next(model.parameters()).device.type == "cuda"

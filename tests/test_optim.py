@@ -104,7 +104,8 @@ def test_lr_ratios_hold_through_warmup_and_decay(model, schedule):
                "solver.steps=[60,80]", "solver.warmup_factor=0.01", "solver.cosine_final_lr_factor=0.05")
     opt = build_optimizer(model, cfg)
     sched = build_lr_scheduler(opt, cfg)
-    base = [g["lr"] for g in opt.param_groups]
+    base = [g["initial_lr"] for g in opt.param_groups]
+    assert base == [cfg.solver.lr * g["lr_mult"] for g in opt.param_groups]
     history = []
     for it in range(100):
         lrs = [g["lr"] for g in opt.param_groups]
@@ -114,8 +115,8 @@ def test_lr_ratios_hold_through_warmup_and_decay(model, schedule):
         opt.step()
         sched.step()
     assert history[0] == pytest.approx(0.01)  # warmup start
-    assert history[10] == pytest.approx(0.01 * 0.5 + 0.5 * (1.0 if schedule == "multistep" else
-                                         0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * 10 / 100))))
+    decay10 = 1.0 if schedule == "multistep" else 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * 10 / 100))
+    assert history[10] == pytest.approx((0.01 * 0.5 + 0.5) * decay10)  # half-way through warmup
     if schedule == "multistep":
         assert history[20] == pytest.approx(1.0) and history[59] == pytest.approx(1.0)
         assert history[60] == pytest.approx(0.1) and history[80] == pytest.approx(0.01)
@@ -152,10 +153,14 @@ def test_adamw_and_bad_optimizer(model):
     opt = build_optimizer(model, _cfg("solver.optimizer=adamw", "solver.betas=[0.8,0.99]", "solver.lr=0.001",
                                       "solver.scale_lr=false"))
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.8, 0.99)
+    cfg = _cfg()
+    cfg.solver.optimizer = "adam"  # the config loader rejects it already; the builder checks too
     with pytest.raises(ValueError, match="solver.optimizer must be 'sgd' or 'adamw', got 'adam'"):
-        build_optimizer(model, _cfg("solver.optimizer=adam"))
-    with pytest.raises(ValueError, match="solver.schedule"):
-        build_lr_scheduler(torch.optim.SGD(model.parameters(), lr=0.1), _cfg("solver.schedule=poly"))
+        build_optimizer(model, cfg)
+    cfg = _cfg()
+    cfg.solver.schedule = "poly"
+    with pytest.raises(ValueError, match="solver.schedule must be 'multistep' or 'cosine', got 'poly'"):
+        build_lr_scheduler(torch.optim.SGD(model.parameters(), lr=0.1), cfg)
 
 
 def test_no_trainable_parameters_is_an_error():

@@ -110,15 +110,13 @@ def test_repeat_factor_sampler_draws_rare_images_as_often_as_their_factor():
     counts = Counter()
     epochs = 200
     lens = set()
+    samplers = [RepeatFactorSampler(factors, seed=0, rank=rank, world_size=2) for rank in range(2)]
     for epoch in range(epochs):
-        shards = []
-        for rank in range(2):
-            s = RepeatFactorSampler(factors, seed=0, rank=rank, world_size=2)
+        for s in samplers:
             s.set_epoch(epoch)
-            shards.append(list(s))
-            lens.add(len(s))
-        for sh in shards:
-            counts.update(sh)
+            shard = list(s)
+            lens.add(len(shard))
+            counts.update(shard)
     assert lens == {math.ceil(round(90 + 10 * expected) / 2)}  # fixed epoch length, same on every rank
     rare = sum(counts[i] for i in range(90, 100)) / (10 * epochs)
     common = sum(counts[i] for i in range(90)) / (90 * epochs)

@@ -47,7 +47,8 @@ def test_content_constraints(tmp_path):
         for a in anns:
             x, y, bw, bh = a["bbox"]
             assert x >= 0 and y >= 0 and x + bw <= w and y + bh <= h
-            assert max(bw, bh) >= MIN_OBJECT_SIDE - 0.01
+            assert max(bw, bh) >= max(MIN_OBJECT_SIDE, 0.12 * min(w, h)) - 0.02
+            assert min(bw, bh) >= 0.7 * MIN_OBJECT_SIDE - 0.02
             assert a["area"] > 0 and a["iscrowd"] == 0
     assert len(sizes) > 20  # sides and aspect ratios vary
     assert {a["category_id"] for a in data["annotations"]} == {1, 2, 3}

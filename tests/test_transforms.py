@@ -102,3 +102,17 @@ def test_image_without_boxes():
 def test_bad_resize_arguments():
     with pytest.raises(ValueError, match=r"positive sizes, got min_sizes=\[0\], max_size=10"):
         ResizeShortestEdge([0], 10)
+
+
+def test_color_jitter_changes_pixels_not_boxes():
+    img, boxes, labels = rectangles_image()
+    img = (img // 2 + 60).astype(np.uint8)  # leave room to brighten and darken
+    cfg = load_config(None, ["input.min_size_train=[70]", "input.max_size_train=1000", "input.hflip_prob=0",
+                             "input.color_jitter=true"])
+    t = build_transforms(cfg, is_train=True, seed=3)
+    changed = 0
+    for _ in range(5):
+        image_t, boxes_t, labels_t = t(img, boxes, labels)
+        torch.testing.assert_close(boxes_t, torch.from_numpy(boxes))
+        changed += int(not torch.equal(image_t, torch.from_numpy(img).permute(2, 0, 1)))
+    assert changed >= 3  # p=0.8 per call

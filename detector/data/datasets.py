@@ -372,6 +372,13 @@ def parse_coco(
         if missing:
             issues.error(f"annotation file {ann_file}: images[{i}] lacks {', '.join(repr(k) for k in missing)}")
             continue
+        if not isinstance(img["id"], int) or isinstance(img["id"], bool):
+            issues.error(f"annotation file {ann_file}: images[{i}] has id {img['id']!r}; image ids must be integers")
+            continue
+        if not all(isinstance(img[k], (int, float)) and img[k] > 0 for k in ("width", "height")):
+            issues.error(f"annotation file {ann_file}: image_id {img['id']}: width/height must be positive numbers, "
+                         f"got {img['width']!r} x {img['height']!r}")
+            continue
         if img["id"] in seen:
             issues.error(
                 f"annotation file {ann_file}: image_id {img['id']} appears twice "
@@ -381,18 +388,18 @@ def parse_coco(
         seen[img["id"]] = img["file_name"]
         good_images.append(img)
 
-    coco = COCO()
-    coco.dataset = {**data, "images": good_images}
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco.createIndex()
-
     anns_by_image: Dict[Any, list] = {img["id"]: [] for img in good_images}
+    good_anns = []
+    ann_ids: set = set()
     for i, ann in enumerate(data["annotations"]):
-        ann_id = ann.get("id", f"#{i}") if isinstance(ann, dict) else f"#{i}"
-        where = f"annotation file {ann_file}: annotation id {ann_id}"
-        if not isinstance(ann, dict):
-            issues.error(f"{where}: not an object")
+        if not isinstance(ann, dict) or "id" not in ann:
+            issues.error(f"annotation file {ann_file}: annotations[{i}] is not an object with an 'id'")
             continue
+        where = f"annotation file {ann_file}: annotation id {ann['id']}"
+        if ann["id"] in ann_ids:
+            issues.error(f"{where} appears twice")
+            continue
+        ann_ids.add(ann["id"])
         if ann.get("image_id") not in anns_by_image:
             if ann.get("image_id") not in seen:
                 issues.error(f"{where}: image_id {ann.get('image_id')!r} is not in 'images'")
@@ -405,6 +412,14 @@ def parse_coco(
             issues.error(f"{where}: 'bbox' must be 4 numbers [x, y, w, h], got {bbox!r}")
             continue
         anns_by_image[ann["image_id"]].append(ann)
+        good_anns.append(ann)
+
+    # pycocotools' index over the validated content (it would silently keep the last of
+    # two equal ids, and fail on annotations without one).
+    coco = COCO()
+    coco.dataset = {**data, "images": good_images, "annotations": good_anns}
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
 
     records = []
     image_dir = str(image_dir)

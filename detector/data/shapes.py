@@ -9,9 +9,10 @@ writes::
 
 Three classes told apart by shape only: ``circle`` (id 1), ``rectangle`` (id 2, aspect
 0.5..2), ``triangle`` (id 3, randomly rotated, not degenerate). Colours vary within a
-class. Each image has 1 to 6 objects with bounding sides from 14 px up to about 60% of the
-shorter image side, drawn anti-aliased over a textured, noisy background (smooth noise,
-stripes, a colour gradient, pixel noise); later objects may cover part of earlier ones,
+class. Each image has 1 to 6 objects whose larger bounding side runs from max(14 px, 12%)
+to 60% of the shorter image side (rectangles keep their shorter side >= 70% of that
+minimum), drawn anti-aliased over a textured, noisy background (smooth noise, stripes, a
+colour gradient, pixel noise); later objects may cover part of earlier ones,
 but no object is more than ~35% covered. Image sides are drawn independently from
 ``[min_side, max_side]`` (so the aspect ratio varies). Boxes are the exact extent of the
 drawn geometry, ``[x, y, w, h]`` in continuous pixel coordinates, rounded to 0.01 px.
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 CLASS_NAMES: Tuple[str, ...] = ("circle", "rectangle", "triangle")
 MIN_OBJECT_SIDE = 14.0  # pixels, the smallest bounding-box side of a generated object
+MIN_OBJECT_FRACTION = 0.12  # of the shorter image side
 MAX_OBJECT_FRACTION = 0.6  # of the shorter image side
 MAX_COVERED = 0.35  # at most this fraction of a box may be overlapped by another box
 SUPERSAMPLE = 4  # anti-aliasing factor for the object masks
@@ -67,8 +69,11 @@ def _background(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     return img.astype(np.float32)
 
 
-def _shape_geometry(rng: np.random.Generator, cls: int, side: float) -> Tuple[str, np.ndarray]:
-    """Geometry of one object centred at the origin: ("circle", [r]) or ("polygon", [K,2])."""
+def _shape_geometry(rng: np.random.Generator, cls: int, side: float, min_side: float) -> Tuple[str, np.ndarray]:
+    """Geometry of one object centred at the origin: ("circle", [r]) or ("polygon", [K,2]).
+
+    ``side`` is the larger side of its bounding box; a rectangle's shorter side is kept
+    at ``0.7 * min_side`` or more."""
     if cls == 1:
         return "circle", np.array([side / 2.0])
     if cls == 2:
@@ -76,6 +81,8 @@ def _shape_geometry(rng: np.random.Generator, cls: int, side: float) -> Tuple[st
         w, h = side * math.sqrt(aspect), side / math.sqrt(aspect)
         scale = side / max(w, h)  # keep the larger side = side
         w, h = w * scale, h * scale
+        grow = max(1.0, 0.7 * min_side / min(w, h))
+        w, h = w * grow, h * grow
         return "polygon", np.array([[-w / 2, -h / 2], [w / 2, -h / 2], [w / 2, h / 2], [-w / 2, h / 2]])
     # Triangle: vertices on a circle at roughly 120 degrees apart, jittered, rotated.
     theta0 = rng.uniform(0, 2 * math.pi)
@@ -142,15 +149,19 @@ def generate_image(rng: np.random.Generator, min_side: int, max_side: int) -> Tu
     w = int(rng.integers(min_side, max_side + 1))
     h = int(rng.integers(min_side, max_side + 1))
     img = _background(rng, h, w)
-    max_obj = max(MIN_OBJECT_SIDE + 1, MAX_OBJECT_FRACTION * min(h, w))
+    short = min(h, w)
+    # Object sizes scale with the image (the detector sees images resized to one shorter
+    # side), from max(14 px, 12% of the shorter side) to 60% of it.
+    min_obj = max(MIN_OBJECT_SIDE, MIN_OBJECT_FRACTION * short)
+    max_obj = max(min_obj + 1, MAX_OBJECT_FRACTION * short)
     n = int(rng.integers(1, 7))
     boxes: List[np.ndarray] = []
     objects: List[Dict] = []
     for _ in range(n):
         for _attempt in range(30):
             cls = int(rng.integers(1, len(CLASS_NAMES) + 1))
-            side = math.exp(rng.uniform(math.log(MIN_OBJECT_SIDE), math.log(max_obj)))
-            kind, geom = _shape_geometry(rng, cls, side)
+            side = math.exp(rng.uniform(math.log(min_obj), math.log(max_obj)))
+            kind, geom = _shape_geometry(rng, cls, side, min_obj)
             rel = _geometry_box(kind, geom)
             bw, bh = rel[2] - rel[0], rel[3] - rel[1]
             if bw > w - 2 or bh > h - 2:

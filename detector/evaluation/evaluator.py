@@ -71,6 +71,7 @@ def evaluate(
         return {}
 
     image_ids = [i for g in gathered for i in g[1]]
+    logger.info("images per rank: %s", [len(g[1]) for g in gathered])
     _check_coverage(list(dataset.image_ids), image_ids)
     # Dataset order, whatever the number of ranks: identical results (and ties) to one process.
     position = {image_id: k for k, image_id in enumerate(dataset.image_ids)}

@@ -107,8 +107,12 @@ def voc_evaluate_records(
     scores: Dict[int, List[np.ndarray]] = {c: [] for c in cat_ids}
     flags: Dict[int, List[np.ndarray]] = {c: [] for c in cat_ids}
     num_gt = {c: 0 for c in cat_ids}
+    known = set(int(c) for c in cat_ids)
     for rec in records.values():
-        for c in cat_ids:
+        present = np.union1d(rec.gt_cats, rec.dt_cats).tolist()  # classes of this image only
+        for c in present:
+            if c not in known:
+                continue
             gt_mask = rec.gt_cats == c
             num_gt[c] += int(np.count_nonzero(gt_mask & ~rec.gt_ignore))
             dt_idx = np.nonzero(rec.dt_cats == c)[0]

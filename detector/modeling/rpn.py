@@ -187,6 +187,20 @@ class RegionProposalNetwork(nn.Module):
 
     # ------------------------------------------------------------------ training
 
+    def label_anchors(self, anchors: Tensor, gt_boxes: Tensor) -> Tuple[Tensor, Tensor]:
+        """Anchor labels: IoU >= fg_iou_thresh foreground (1), < bg_iou_thresh background
+        (0), between ignored (-1); each ground truth's best anchors are foreground too.
+
+        Args:
+            anchors: ``[T, 4]``; gt_boxes: ``[G, 4]``.
+
+        Returns:
+            labels ``[T]`` int64 and matched ground-truth index ``[T]``.
+        """
+        labels, matched, _ = match_by_iou(gt_boxes, anchors, self.fg_iou_thresh, 0.0, self.bg_iou_thresh,
+                                          allow_low_quality=True)
+        return labels, matched
+
     def losses(
         self,
         anchors: Tensor,
@@ -209,8 +223,7 @@ class RegionProposalNetwork(nn.Module):
         loss_box = logits.new_zeros(())
         for i, target in enumerate(targets):
             gt = target["boxes"]
-            labels, matched, _ = match_by_iou(gt, anchors, self.fg_iou_thresh, 0.0, self.bg_iou_thresh,
-                                              allow_low_quality=True)
+            labels, matched = self.label_anchors(anchors, gt)
             sample = sample_minibatch(labels, self.batch_size_per_image, self.positive_fraction)
             idx = sample.index
             valid = sample.valid.to(logits.dtype)

@@ -1,0 +1,75 @@
+"""Distributed evaluation: 2 ranks (torchrun, gloo) give exactly the 1-rank metrics and
+detections, and every image is scored once, with an odd number of images."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from detector.evaluation.evaluator import _check_coverage
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_VAL = 7  # odd: shards of 4 and 3
+
+
+def test_coverage_check_names_duplicates_and_missing():
+    _check_coverage([1, 2, 3], [3, 1, 2])
+    with pytest.raises(RuntimeError, match=r"more than once, e.g. image_id \[2\]"):
+        _check_coverage([1, 2, 3], [1, 2, 2, 3])
+    with pytest.raises(RuntimeError, match=r"missed 1 image\(s\), e.g. image_id \[3\]"):
+        _check_coverage([1, 2, 3], [1, 2])
+
+
+def _torchrun(nproc: int, overrides, weights: Path, out: Path) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(ROOT / "tools" / "eval.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+        "--weights", str(weights), "--output-dir", str(out), *overrides,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_ranks_equal_one_rank(tmp_path):
+    from detector.config import load_config
+    from detector.data.shapes import ensure_shapes
+    from detector.modeling import build_model
+
+    data = tmp_path / "shapes"
+    overrides = [
+        f"data.val.root={data}", f"data.train.root={data}", "data.shapes.num_train=1",
+        f"data.shapes.num_val={NUM_VAL}", "data.shapes.min_side=64", "data.shapes.max_side=128",
+        "input.min_size_test=96", "input.max_size_test=128", "roi_heads.score_thresh=0.01",
+        "eval.images_per_gpu=1", "eval.score_thresh=0.2", "train.device=cpu",
+    ]  # fmt: skip
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", overrides)
+    ensure_shapes(data, 1, NUM_VAL, cfg.data.shapes.seed, 64, 128)
+    torch.manual_seed(123)
+    torch.save(build_model(cfg).state_dict(), tmp_path / "w.pth")
+
+    log1 = _torchrun(1, overrides, tmp_path / "w.pth", tmp_path / "one")
+    log2 = _torchrun(2, overrides, tmp_path / "w.pth", tmp_path / "two")
+    assert "images per rank: [7]" in log1
+    assert "images per rank: [4, 3]" in log2
+
+    m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    m1.pop("time_per_image_ms")
+    m2.pop("time_per_image_ms")
+    assert m1 == m2  # exactly, every key
+    assert m1["num_images"] == NUM_VAL and m1["num_detections"] > 0
+    d1 = json.loads((tmp_path / "one" / "detections.json").read_text())
+    d2 = json.loads((tmp_path / "two" / "detections.json").read_text())
+    assert d1 == d2
+    gt_ids = {img["id"] for img in json.loads((data / "val.json").read_text())["images"]}
+    assert len(gt_ids) == NUM_VAL and {d["image_id"] for d in d1} <= gt_ids

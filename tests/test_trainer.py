@@ -1,0 +1,284 @@
+"""The training loop on the real tiny model: exact resume, AMP, faults, SyncBN policy.
+
+Everything runs on the CPU with 64-96 px images and a few iterations.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from detector.config import load_config
+from detector.engine.checkpoint import load_checkpoint
+from detector.engine.log import read_jsonl
+from detector.engine.trainer import NonFiniteLossError, Trainer, apply_norm_policy
+from detector.modeling import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_overrides(data_root: Path, out: Path) -> list:
+    """The tiny model at 64-96 px on 8 generated images: ~0.2 s per iteration on a CPU."""
+    return [
+        f"train.output_dir={out}",
+        f"data.train.root={data_root}", f"data.val.root={data_root}",
+        "data.shapes.num_train=8", "data.shapes.num_val=4", "data.shapes.min_side=64", "data.shapes.max_side=96",
+        "data.num_workers=0", "data.filter_empty=true",
+        "input.min_size_train=[64]", "input.max_size_train=96", "input.min_size_test=64", "input.max_size_test=96",
+        "input.hflip_prob=0.0",
+        "model.fpn_channels=32", "model.gn_groups=8", "roi_heads.representation_size=64",
+        "rpn.batch_size_per_image=64", "roi_heads.batch_size_per_image=32",
+        "rpn.pre_nms_topk_train=200", "rpn.post_nms_topk_train=100",
+        "rpn.pre_nms_topk_test=100", "rpn.post_nms_topk_test=50",
+        "solver.images_per_gpu=2", "solver.reference_batch_size=2", "solver.lr=0.01",
+        "solver.warmup_iters=2", "solver.steps=[5]", "solver.max_iter=6",
+        "train.device=cpu", "train.seed=3", "train.deterministic=true",
+        "train.log_period=1", "train.eval_period=-1", "train.checkpoint_period=0", "train.tensorboard=false",
+    ]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("shapes") / "data"  # generated on first use
+
+
+def make_cfg(data_root: Path, out: Path, *extra: str):
+    return load_config(ROOT / "configs" / "tiny_cpu.yaml", tiny_overrides(data_root, out) + list(extra))
+
+
+def weights(trainer: Trainer) -> dict:
+    return {k: v.clone() for k, v in trainer.model_without_ddp.state_dict().items()}
+
+
+class StopAt(Trainer):
+    """Behaves as if SIGTERM arrived during iteration ``stop_at``."""
+
+    stop_at = 0
+
+    def run_step(self, images, targets):
+        if self.iteration + 1 == self.stop_at:
+            self._stop_signal = signal.SIGTERM
+        return super().run_step(images, targets)
+
+
+def test_exact_resume_matches_straight_run(data_root, tmp_path):
+    # Straight: 6 iterations (4 batches per epoch: crosses an epoch boundary).
+    a = Trainer(make_cfg(data_root, tmp_path / "a"))
+    res = a.train()
+    a.close()
+    assert res.status == "finished" and res.iteration == 6
+    # Interrupted at 5 with a checkpoint at 3, resumed from iteration 3 (mid-epoch).
+    cfg_b = make_cfg(data_root, tmp_path / "b", "train.checkpoint_period=3")
+    b = StopAt(cfg_b)
+    b.stop_at = 5
+    res = b.train()
+    b.close()
+    assert res.status == "interrupted" and res.iteration == 5
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    b2 = Trainer(cfg_b, resume=str(tmp_path / "b" / "checkpoints" / "iter_0000003.pth"))
+    assert (b2.iteration, b2.epoch, b2.epoch_position) == (3, 0, 3)
+    res = b2.train()
+    b2.close()
+    assert res.iteration == 6
+    wa, wb = weights(a), weights(b2)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], msg=k)
+    ra = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    rb = read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    assert [r["iteration"] for r in rb] == [1, 2, 3, 4, 5, 6]  # no gap, no duplicate
+    for x, y in zip(ra, rb):
+        assert x["total_loss"] == pytest.approx(y["total_loss"], rel=1e-5)
+        assert x["lr"] == pytest.approx(y["lr"], rel=1e-12)
+    # Every checkpoint loads with weights_only=True and knows where it stood.
+    state = torch.load(tmp_path / "b" / "checkpoints" / "last.pth", weights_only=True)
+    assert state["iteration"] == 6 and state["config"]["solver"]["max_iter"] == 6
+
+
+def test_auto_resume_and_missing_checkpoint(data_root, tmp_path):
+    cfg = make_cfg(data_root, tmp_path / "r", "solver.max_iter=2")
+    t = Trainer(cfg, resume=True)  # nothing to resume: starts fresh
+    assert t.iteration == 0
+    t.train()
+    t.close()
+    cfg = make_cfg(data_root, tmp_path / "r", "solver.max_iter=3")
+    t = Trainer(cfg, resume=True)
+    assert t.iteration == 2
+    t.train()
+    t.close()
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == [1, 2, 3]
+    from detector.engine.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="checkpoint not found: .*nope.pth"):
+        Trainer(cfg, resume=str(tmp_path / "nope.pth"))
+
+
+def _inject_nan(model: nn.Module, bad_iterations: set) -> nn.Module:
+    """Make the loss NaN at the given (1-based) training iterations."""
+    forward = model.forward
+    calls = {"n": 0}
+
+    def nan_forward(images, targets=None):
+        out = forward(images, targets)
+        if model.training:
+            calls["n"] += 1
+            if calls["n"] in bad_iterations:
+                out = dict(out)
+                out["loss_roi_cls"] = out["loss_roi_cls"] * float("nan")
+        return out
+
+    model.forward = nan_forward
+    return model
+
+
+def test_nan_loss_is_skipped_and_logged(data_root, tmp_path, caplog):
+    cfg = make_cfg(data_root, tmp_path / "n", "solver.max_iter=4")
+    torch.manual_seed(0)
+    model = _inject_nan(build_model(cfg), {2})
+    t = Trainer(cfg, model=model)
+    before = {}
+    orig_step = t.run_step
+
+    def step(images, targets):
+        if t.iteration == 1:
+            before.update({k: v.clone() for k, v in t.model_without_ddp.state_dict().items()})
+        out = orig_step(images, targets)
+        if t.iteration == 1:  # the NaN step left every weight as it was
+            after = t.model_without_ddp.state_dict()
+            assert out[2] is True
+            assert all(torch.equal(after[k], before[k]) for k in before if not k.endswith("num_batches_tracked"))
+        return out
+
+    t.run_step = step
+    with caplog.at_level(logging.WARNING, logger="detector.engine.trainer"):
+        res = t.train()
+    t.close()
+    assert res.status == "finished" and res.iteration == 4
+    assert "iteration 2: non-finite loss" in caplog.text and "step skipped (1 in a row)" in caplog.text
+    recs = read_jsonl(tmp_path / "n" / "metrics.jsonl")
+    assert [r["nonfinite_skipped"] for r in recs] == [0, 1, 0, 0]
+    assert math.isnan(recs[1]["total_loss"]) and all(math.isfinite(r["total_loss"]) for r in recs if r is not recs[1])
+
+
+@pytest.mark.parametrize("period", [0, 2])
+def test_k_nonfinite_in_a_row_stop_with_loadable_checkpoint(data_root, tmp_path, period):
+    cfg = make_cfg(data_root, tmp_path / "k", "solver.max_iter=20", "train.max_nonfinite_steps=3",
+                   f"train.checkpoint_period={period}")
+    torch.manual_seed(0)
+    model = _inject_nan(build_model(cfg), set(range(4, 100)))
+    t = Trainer(cfg, model=model)
+    with pytest.raises(NonFiniteLossError) as e:
+        t.train()
+    t.close()
+    msg = str(e.value)
+    assert "3 non-finite losses in a row" in msg and "iteration 6" in msg and "last.pth" in msg and "\n" not in msg
+    state = torch.load(tmp_path / "k" / "checkpoints" / "last.pth", weights_only=True)
+    # With periodic checkpoints the last periodic one (iteration 4: the weights after the
+    # 3 good steps, since step 4 was skipped) is kept; without, the weights at the stop.
+    assert state["iteration"] == (4 if period == 2 else 6)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert read_jsonl(tmp_path / "k" / "metrics.jsonl")[-1]["type"] == "stopped"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_amp_steps_and_scaler_survives_resume(data_root, tmp_path, dtype):
+    cfg = make_cfg(data_root, tmp_path / dtype, "solver.max_iter=2", "train.amp.enabled=true", f"train.amp.dtype={dtype}",
+                   "solver.images_per_gpu=1", "solver.reference_batch_size=1")
+    t = Trainer(cfg)
+    res = t.train()
+    assert res.iteration == 2
+    recs = read_jsonl(tmp_path / dtype / "metrics.jsonl")
+    assert all(math.isfinite(r["total_loss"]) for r in recs)
+    assert t.scaler.is_enabled() == (dtype == "float16")
+    if dtype == "float16":
+        assert "amp_scale" in recs[-1]
+        t.scaler.update(new_scale=1234.0)  # a scale the default would never give
+        t.save(["last.pth"])
+        t.close()
+        t2 = Trainer(make_cfg(data_root, tmp_path / dtype, "solver.max_iter=3", "train.amp.enabled=true",
+                              "train.amp.dtype=float16", "solver.images_per_gpu=1", "solver.reference_batch_size=1"),
+                     resume=True)
+        assert t2.scaler.get_scale() == 1234.0
+        t2.train()
+        t2.close()
+    else:
+        t.close()
+
+
+def test_syncbn_on_cpu_falls_back_to_bn_with_warning(data_root, tmp_path, caplog):
+    cfg = make_cfg(data_root, tmp_path / "s", "model.norm=syncbn", "model.freeze_at=1", "solver.max_iter=1")
+    with caplog.at_level(logging.WARNING, logger="detector.engine.trainer"):
+        t = Trainer(cfg)
+    assert "SyncBatchNorm needs CUDA" in caplog.text
+    assert not any(isinstance(m, nn.SyncBatchNorm) for m in t.model.modules())
+    assert any(isinstance(m, nn.BatchNorm2d) for m in t.model.modules())
+    assert t.train().iteration == 1
+    t.close()
+
+
+def test_syncbn_conversion_keeps_frozen_bn(data_root, tmp_path):
+    """The CUDA path of the policy (conversion only; no GPU needed to build the modules)."""
+    from torchvision.ops import FrozenBatchNorm2d
+
+    cfg = make_cfg(data_root, tmp_path / "c", "model.norm=syncbn", "model.freeze_at=2")
+    model = build_model(cfg)
+    n_frozen = sum(isinstance(m, FrozenBatchNorm2d) for m in model.modules())
+    n_bn = sum(type(m) is nn.BatchNorm2d for m in model.modules())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    out = apply_norm_policy(model, cfg, torch.device("cuda"), world_size=2)
+    assert n_frozen > 0 and n_bn > 0
+    assert sum(isinstance(m, nn.SyncBatchNorm) for m in out.modules()) == n_bn
+    assert sum(isinstance(m, FrozenBatchNorm2d) for m in out.modules()) == n_frozen
+    assert {n for n, p in out.named_parameters() if p.requires_grad} == trainable
+
+
+@pytest.mark.gpu
+def test_syncbn_single_gpu_step(data_root, tmp_path):
+    cfg = make_cfg(data_root, tmp_path / "g", "model.norm=syncbn", "train.device=cuda", "solver.max_iter=2")
+    t = Trainer(cfg)
+    assert t.train().iteration == 2
+    t.close()
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_checkpoints_and_resumes(data_root, tmp_path):
+    out = tmp_path / "sig"
+    args = [sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+            *tiny_overrides(data_root, out), "solver.max_iter=1000", "train.deterministic=false"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stdout
+    assert "Traceback" not in stdout and "stopped by SIGTERM" in stdout
+    state = load_checkpoint(out / "checkpoints" / "last.pth")
+    stopped = state["iteration"]
+    assert 2 <= stopped < 1000
+    assert [r["iteration"] for r in read_jsonl(metrics)] == list(range(1, stopped + 1))
+    # Resume to two more iterations.
+    proc = subprocess.run(args[:-2] + [f"solver.max_iter={stopped + 2}", "--resume"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"finished at iteration {stopped + 2}" in proc.stdout
+    assert [r["iteration"] for r in read_jsonl(metrics)] == list(range(1, stopped + 3))
+
+
+@pytest.mark.slow
+def test_cli_errors_are_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+                           f"train.output_dir={tmp_path}", "solver.lrr=0.1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: override 'solver.lrr=0.1': unknown config key 'solver.lrr' (did you mean 'solver.lr'?)"

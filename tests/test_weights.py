@@ -1,0 +1,107 @@
+"""load_weights: prefixes, num_batches_tracked, pre-v2 names, class-count changes, reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detector.config import load_config
+from detector.engine.checkpoint import LoadReport, load_weights
+from detector.modeling import build_model
+
+
+def tiny(repo_root, *overrides):
+    return build_model(load_config(repo_root / "configs" / "tiny_cpu.yaml", list(overrides)))
+
+
+def assert_same_weights(a, b, skip=()):
+    sa, sb = a.state_dict(), b.state_dict()
+    for k in sa:
+        if not k.startswith(skip):
+            torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, msg=k)
+
+
+def test_module_prefix_and_training_checkpoint_file(repo_root, tmp_path):
+    torch.manual_seed(0)
+    src = tiny(repo_root)
+    torch.manual_seed(1)
+    dst = tiny(repo_root)
+    state = {"module." + k: v for k, v in src.state_dict().items()}
+    path = tmp_path / "ckpt.pth"
+    torch.save({"model": state, "iteration": 7}, path)
+    report = load_weights(dst, path)
+    assert isinstance(report, LoadReport)
+    assert not report.missing and not report.unexpected and not report.skipped
+    assert len(report.loaded) == len(src.state_dict())
+    assert_same_weights(src, dst)
+    # A plain state dict works too, and so does build_model(model.weights=path).
+    torch.save(src.state_dict(), tmp_path / "plain.pth")
+    built = tiny(repo_root, f"model.weights={tmp_path / 'plain.pth'}")
+    assert_same_weights(src, built)
+
+
+def test_num_batches_tracked_tolerated(repo_root):
+    bn = tiny(repo_root, "model.norm=bn")
+    state = {k: v for k, v in bn.state_dict().items() if not k.endswith("num_batches_tracked")}
+    assert len(state) < len(bn.state_dict())
+    report = load_weights(tiny(repo_root, "model.norm=bn"), state)
+    assert report.missing == []
+    extra = dict(tiny(repo_root, "model.norm=frozen_bn").state_dict())
+    extra["backbone.body.bn1.num_batches_tracked"] = torch.tensor(5)
+    report = load_weights(tiny(repo_root, "model.norm=frozen_bn"), extra)
+    assert report.unexpected == [] and report.missing == []
+
+
+def test_pre_v2_names_are_renamed(repo_root):
+    torch.manual_seed(0)
+    src = tiny(repo_root, "model.norm=frozen_bn")
+    old = {}
+    for k, v in src.state_dict().items():
+        k = k.replace("rpn.head.conv.0.0.", "rpn.head.conv.")
+        for block in ("inner_blocks", "layer_blocks"):
+            for i in range(4):
+                k = k.replace(f"backbone.fpn.{block}.{i}.0.", f"backbone.fpn.{block}.{i}.")
+        old[k] = v
+    assert "rpn.head.conv.weight" in old and "backbone.fpn.inner_blocks.0.weight" in old
+    torch.manual_seed(1)
+    dst = tiny(repo_root, "model.norm=frozen_bn")
+    report = load_weights(dst, old)
+    assert len(report.renamed) == 2 + 2 * 4 * 2
+    assert report.renamed["backbone.fpn.layer_blocks.3.bias"] == "backbone.fpn.layer_blocks.3.0.bias"
+    assert not report.missing and not report.unexpected
+    assert_same_weights(src, dst)
+
+
+def test_other_class_count_keeps_fresh_predictor(repo_root):
+    torch.manual_seed(0)
+    src = tiny(repo_root, "model.num_classes=7")
+    torch.manual_seed(1)
+    dst = tiny(repo_root)
+    fresh = {k: v.clone() for k, v in dst.state_dict().items() if k.startswith("roi_heads.box_predictor.")}
+    report = load_weights(dst, src.state_dict())
+    assert sorted(report.skipped) == sorted(fresh)
+    assert any("8 classes" in n and "4" in n for n in report.notes)
+    assert not report.missing and not report.unexpected
+    assert_same_weights(src, dst, skip=("roi_heads.box_predictor.",))
+    for k, v in fresh.items():
+        assert torch.equal(dst.state_dict()[k], v)
+
+
+def test_reports_missing_unexpected_and_shape_errors(repo_root, tmp_path):
+    model = tiny(repo_root)
+    state = dict(model.state_dict())
+    del state["rpn.head.cls_logits.bias"]
+    state["something.else"] = torch.zeros(2)
+    report = load_weights(tiny(repo_root), state)
+    assert report.missing == ["rpn.head.cls_logits.bias"]
+    assert report.unexpected == ["something.else"]
+    assert "1 missing" in report.summary()
+    state = dict(model.state_dict())
+    state["rpn.head.bbox_pred.weight"] = torch.zeros(4, 64, 1, 1)
+    with pytest.raises(ValueError, match="rpn.head.bbox_pred.weight"):
+        load_weights(tiny(repo_root), state)
+    with pytest.raises(FileNotFoundError, match="nope.pth"):
+        load_weights(model, tmp_path / "nope.pth")
+    torch.save([1, 2, 3], tmp_path / "list.pth")
+    with pytest.raises(ValueError, match="not a state dict"):
+        load_weights(model, tmp_path / "list.pth")
