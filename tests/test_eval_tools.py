@@ -284,3 +284,23 @@ def test_evaluate_on_cuda_with_amp(tiny_setup, tmp_path):
     written = json.loads((tmp_path / "metrics.json").read_text())
     assert written["num_images"] == len(dataset) and written["time_per_image_ms"] > 0
     assert next(model.parameters()).device.type == "cuda"
+
+
+def test_prediction_file_errors_are_named(case_files, tmp_path):
+    from detector.evaluation.scoring import load_ground_truth, load_predictions
+
+    d, gt, _ = case_files
+    bad = {"images": [{"id": 0, "file_name": "nowhere.jpg"}], "annotations": []}
+    (tmp_path / "p.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"image 0 \(nowhere.jpg\) is not in the ground truth"):
+        load_predictions(tmp_path / "p.json", gt)
+    no_score = {"annotations": [{"image_id": 100, "category_id": 1, "bbox": [0, 0, 1, 1]}]}
+    (tmp_path / "q.json").write_text(json.dumps(no_score))
+    with pytest.raises(ValueError, match=r"annotations\[0\] has no 'score'"):
+        load_predictions(tmp_path / "q.json", gt)
+    (tmp_path / "r.json").write_text("{not json")
+    with pytest.raises(ValueError, match="r.json: not valid JSON"):
+        load_ground_truth(tmp_path / "r.json")
+    (tmp_path / "s.json").write_text(json.dumps({"images": [], "annotations": []}))
+    with pytest.raises(ValueError, match="s.json: missing the 'categories' section"):
+        load_ground_truth(tmp_path / "s.json")

@@ -162,3 +162,16 @@ def test_pinned_batches_with_cuda(shapes_cfg):
     assert all(img.is_pinned() for img in images) and all(t["boxes"].is_pinned() for t in targets)
     moved = [img.to("cuda", non_blocking=True) for img in images]
     assert torch.equal(moved[0].cpu(), images[0])
+
+
+def test_repeat_factor_and_ungrouped_options(shapes_cfg):
+    from detector.data.samplers import RepeatFactorSampler
+
+    cfg = shapes_cfg("data.num_workers=0", "data.repeat_factor_threshold=0.9", "data.aspect_ratio_grouping=false")
+    ds = build_dataset(cfg, "train", True)
+    loaders = [build_train_loader(cfg, ds, rank=r, world_size=2) for r in range(2)]
+    assert all(isinstance(ld.batch_sampler.sampler, RepeatFactorSampler) for ld in loaders)
+    assert len(loaders[0]) == len(loaders[1]) >= len(ds) // 2 // 2
+    for ld in loaders:
+        ld.batch_sampler.set_epoch(1)
+        assert len(list(ld)) == len(ld)

@@ -84,10 +84,30 @@ def test_generated_on_first_use_from_config(tmp_path):
     assert ds.label_to_category_id == {1: 1, 2: 2, 3: 3}
     image, target = ds[0]
     assert min(image.shape[1:]) == 64
-    # An existing folder is left alone.
+    # Same settings: the folder is reused as it is.
     stamp = (root / "train.json").stat().st_mtime_ns
-    ensure_shapes(root, 9, 9)
+    build_dataset(cfg, "train", is_train=True)
     assert (root / "train.json").stat().st_mtime_ns == stamp
+
+
+def test_stale_folder_is_regenerated_and_foreign_folder_left_alone(tmp_path, caplog):
+    root = tmp_path / "s"
+    ensure_shapes(root, 3, 1, seed=0, min_side=64, max_side=80)
+    with caplog.at_level("WARNING", logger="detector.data.shapes"):
+        ensure_shapes(root, 4, 1, seed=0, min_side=64, max_side=80)
+    assert "regenerating the shapes data set" in caplog.text and "num_train: 3 -> 4" in caplog.text
+    assert len(json.loads((root / "train.json").read_text())["images"]) == 4
+    # A folder from an older generator (no params file) is regenerated too.
+    (root / "shapes_params.json").unlink()
+    ensure_shapes(root, 4, 1, seed=0, min_side=64, max_side=80)
+    assert (root / "shapes_params.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["s"]  # no leftovers
+    # A folder this generator did not write is used as it is.
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "train.json").write_text(json.dumps({"images": [], "annotations": [], "categories": []}))
+    ensure_shapes(foreign, 4, 1)
+    assert sorted(p.name for p in foreign.iterdir()) == ["train.json"]
 
 
 def test_cli(tmp_path, capsys):
@@ -100,3 +120,22 @@ def test_cli(tmp_path, capsys):
 def test_bad_sides(tmp_path):
     with pytest.raises(ValueError, match=r"min_side <= max_side, got min_side=100, max_side=50"):
         generate_shapes(tmp_path, 1, 1, min_side=100, max_side=50)
+
+
+def _ensure(root):
+    ensure_shapes(root, 3, 1, seed=2, min_side=64, max_side=72)
+
+
+def test_concurrent_first_use(tmp_path):
+    import multiprocessing as mp
+
+    root = tmp_path / "s"
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_ensure, args=(root,)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(json.loads((root / "train.json").read_text())["images"]) == 3
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".s.lock")) == ["s"]

@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--synthetic", action="store_true", help="random batches at the input size, not the data set")
     p.add_argument("--num-batches", type=int, default=4, help="distinct batches cached in memory (default 4)")
     p.add_argument("--profile", action="store_true", help="train: torch.profiler summary of one step")
+    p.add_argument("--torchvision-options", action="store_true",
+                   help="give torchvision's model our train.* speed options too (default: its defaults)")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: PyTorch's choice)")
     p.add_argument("--gt", help="eval: COCO ground-truth JSON (default: a synthetic set)")
     p.add_argument("--results", help="eval: COCO results JSON matching --gt")
     p.add_argument("--json", dest="json_out", help="write the full result here")
@@ -59,6 +62,8 @@ def main(argv=None) -> int:
         results_file=args.results,
         config_path=args.config,
         overrides=args.overrides,
+        torchvision_options=args.torchvision_options,
+        threads=args.threads,
     )
     print(format_summary(result))
     if args.json_out:

@@ -9,7 +9,6 @@ from detector.config import Config
 
 from .datasets import CocoDetection, DataError, DetectionDataset, VOCDetection
 from .loader import build_test_loader, build_train_loader, measure_loader_throughput
-from .shapes import ensure_shapes
 from .transforms import build_transforms
 
 __all__ = [
@@ -58,6 +57,8 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     if fmt == "voc":
         return VOCDetection(sc.root, sc.split or split, class_names=data.class_names or None,
                             transforms=transforms, filter_empty=filter_empty, use_difficult=data.use_difficult)
+    from .shapes import ensure_shapes  # here, so `python -m detector.data.shapes` runs cleanly
+
     s = data.shapes
     root = ensure_shapes(sc.root, s.num_train, s.num_val, s.seed, s.min_side, s.max_side)
     name = sc.split or split

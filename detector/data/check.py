@@ -15,7 +15,6 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from detector.config import Config

@@ -52,21 +52,21 @@ def collate_list(batch: List[Tuple[torch.Tensor, Dict[str, Any]]]) -> Tuple[List
 
 
 class PackedBatch:
-    """A collated batch packed into five tensors for the trip from a worker process.
+    """A collated batch packed into two tensors for the trip from a worker process.
 
-    Every tensor a worker returns travels through its own shared-memory segment and file
-    descriptor, which costs far more than decoding a small image; packing the images of
-    a batch into one flat buffer and the targets into a few concatenated tensors cuts
-    that to five per batch. ``unpack`` (in the main process) returns the usual lists;
-    the images are views of the one buffer (no copy).
+    Every tensor a worker returns travels through its own shared-memory segment whose
+    file descriptor the main process fetches over a socket; with several small tensors
+    per image that costs more than decoding a small image. So a worker packs the images
+    of a batch into one flat pixel buffer (allocated in shared memory, so it is copied
+    only once) and ``boxes``, ``labels``, ``orig_size``, ``scale`` of every target into one
+    float64 tensor (exact for float32 values and for integers below 2**53). ``unpack``, in
+    the main process, returns the usual lists; the images are views of the buffer.
     """
 
     _PACKED_KEYS = ("boxes", "labels", "orig_size", "scale", "image_id")
 
     def __init__(self, images: Sequence[torch.Tensor], targets: Sequence[Dict[str, Any]]) -> None:
         self.shapes = [tuple(img.shape) for img in images]
-        # The pixel buffer goes straight into shared memory (sending a tensor from a
-        # worker would otherwise copy it there once more).
         self.pixels = torch.empty(sum(img.numel() for img in images), dtype=images[0].dtype if images else torch.uint8)
         if torch.utils.data.get_worker_info() is not None:
             self.pixels.share_memory_()
@@ -74,18 +74,17 @@ class PackedBatch:
         for img in images:
             self.pixels[offset : offset + img.numel()].view(img.shape).copy_(img)
             offset += img.numel()
-        self.counts = [int(t["boxes"].shape[0]) for t in targets]
-        self.boxes = torch.cat([t["boxes"].reshape(-1, 4) for t in targets]) if targets else torch.zeros(0, 4)
-        self.labels = torch.cat([t["labels"].reshape(-1) for t in targets]) if targets else torch.zeros(0, dtype=torch.int64)
-        self.orig_sizes = torch.stack([t["orig_size"] for t in targets]) if targets else torch.zeros(0, 2)
-        self.scales = torch.stack([t["scale"] for t in targets]) if targets else torch.zeros(0, 2)
+        self.counts = [int(t["labels"].numel()) for t in targets]
+        parts = [t["boxes"].reshape(-1) for t in targets] + [t["labels"].reshape(-1) for t in targets]
+        parts += [t["orig_size"].reshape(2) for t in targets] + [t["scale"].reshape(2) for t in targets]
+        self.meta = torch.cat([p.to(torch.float64) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
         self.image_ids = [t["image_id"] for t in targets]
         self.extras = [{k: v for k, v in t.items() if k not in self._PACKED_KEYS} for t in targets]
 
     def pin_memory(self) -> "PackedBatch":
         """Called by the DataLoader's pin-memory thread."""
-        for name in ("pixels", "boxes", "labels", "orig_sizes", "scales"):
-            setattr(self, name, getattr(self, name).pin_memory())
+        self.pixels = self.pixels.pin_memory()
+        self.meta = self.meta.pin_memory()
         return self
 
     def unpack(self) -> Tuple[List[torch.Tensor], List[Dict[str, Any]]]:
@@ -94,14 +93,23 @@ class PackedBatch:
             n = math.prod(shape)
             images.append(self.pixels[offset : offset + n].view(shape))
             offset += n
+        total, b = sum(self.counts), len(self.counts)
+        pin = self.meta.is_pinned()
+        meta = self.meta
+        boxes = meta[: 4 * total].to(torch.float32).view(-1, 4)
+        labels = meta[4 * total : 5 * total].to(torch.int64)
+        orig_sizes = meta[5 * total : 5 * total + 2 * b].to(torch.int64).view(-1, 2)
+        scales = meta[5 * total + 2 * b :].to(torch.float32).view(-1, 2)
+        if pin:
+            boxes, labels, orig_sizes, scales = (x.pin_memory() for x in (boxes, labels, orig_sizes, scales))
         targets, start = [], 0
         for i, n in enumerate(self.counts):
             targets.append({
-                "boxes": self.boxes[start : start + n],
-                "labels": self.labels[start : start + n],
+                "boxes": boxes[start : start + n],
+                "labels": labels[start : start + n],
                 "image_id": self.image_ids[i],
-                "orig_size": self.orig_sizes[i],
-                "scale": self.scales[i],
+                "orig_size": orig_sizes[i],
+                "scale": scales[i],
                 **self.extras[i],
             })
             start += n

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -120,12 +121,14 @@ class RepeatFactorSampler(TrainingSampler):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         whole = torch.floor(self.repeat_factors)
         extra = (torch.rand(len(whole), generator=g, dtype=torch.float64) < (self.repeat_factors - whole)).double()
-        reps = (whole + extra).long()
-        indices = torch.repeat_interleave(torch.arange(len(reps)), reps)
+        reps = (whole + extra).long().numpy()
+        # numpy here: torch.repeat_interleave goes through the intra-op thread pool, which
+        # is slow when the CPU is oversubscribed.
+        indices = np.repeat(np.arange(len(reps)), reps)
         if len(indices) == 0:
-            indices = torch.arange(len(reps))
-        indices = indices[torch.randperm(len(indices), generator=g)]
-        return indices.tolist()
+            indices = np.arange(len(reps))
+        order = torch.randperm(len(indices), generator=g).numpy()
+        return indices[order].tolist()
 
 
 class GroupedBatchSampler(Sampler[List[int]]):

@@ -6,6 +6,7 @@ writes::
 
     DIR/train.json   DIR/train/000001.jpg ...
     DIR/val.json     DIR/val/000001.jpg ...
+    DIR/shapes_params.json   (the settings and generator version)
 
 Three classes told apart by shape only: ``circle`` (id 1), ``rectangle`` (id 2, aspect
 0.5..2), ``triangle`` (id 3, randomly rotated, not degenerate). Colours vary within a
@@ -24,13 +25,14 @@ same seed gives byte-identical files.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import cv2
 import numpy as np
@@ -45,6 +47,9 @@ MAX_OBJECT_FRACTION = 0.6  # of the shorter image side
 MAX_COVERED = 0.35  # at most this fraction of a box may be overlapped by another box
 SUPERSAMPLE = 4  # anti-aliasing factor for the object masks
 JPEG_QUALITY = 92
+# Bump when the generator's output changes: ensure_shapes then regenerates old folders.
+GENERATOR_VERSION = 2
+PARAMS_FILE = "shapes_params.json"
 _SPLIT_CODES = {"train": 1, "val": 2, "test": 3}
 
 
@@ -218,38 +223,96 @@ def generate_split(out: Path, split: str, num_images: int, seed: int, min_side: 
     return ann_file
 
 
+def _params(num_train: int, num_val: int, seed: int, min_side: int, max_side: int) -> Dict[str, int]:
+    return {"version": GENERATOR_VERSION, "num_train": int(num_train), "num_val": int(num_val), "seed": int(seed),
+            "min_side": int(min_side), "max_side": int(max_side)}
+
+
 def generate_shapes(out: str | os.PathLike, num_train: int, num_val: int, seed: int = 0,
                     min_side: int = 96, max_side: int = 224) -> Path:
-    """Write the train and val splits under ``out`` (created if needed)."""
+    """Write the train and val splits under ``out`` (created if needed), and
+    ``out/shapes_params.json`` recording how they were made."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     generate_split(out, "train", num_train, seed, min_side, max_side)
     generate_split(out, "val", num_val, seed, min_side, max_side)
+    (out / PARAMS_FILE).write_text(json.dumps(_params(num_train, num_val, seed, min_side, max_side), sort_keys=True))
     return out
+
+
+def _stale_reason(root: Path, wanted: Dict[str, int]) -> Optional[str]:
+    """Why an existing folder written by this generator does not match ``wanted``
+    (None when it matches, or when it is not a generated shapes folder at all)."""
+    params_file = root / PARAMS_FILE
+    if params_file.is_file():
+        try:
+            have = json.loads(params_file.read_text())
+        except ValueError:
+            return f"{params_file} is not valid JSON"
+        if have != wanted:
+            diff = ", ".join(f"{k}: {have.get(k)} -> {v}" for k, v in wanted.items() if have.get(k) != v)
+            return f"it was generated with other settings ({diff})"
+        return None
+    try:
+        info = json.loads((root / "train.json").read_text()).get("info", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(info, dict) and info.get("description") == "detector shapes demo set":
+        return "it was written by an older version of the generator"
+    return None
+
+
+@contextlib.contextmanager
+def _folder_lock(root: Path) -> Iterator[None]:
+    """An exclusive lock (``flock`` on a sibling file) so that several processes on one
+    machine generate a folder once; a no-op where ``fcntl`` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ensure_shapes(root: str | os.PathLike, num_train: int, num_val: int, seed: int = 0,
                   min_side: int = 96, max_side: int = 224) -> Path:
-    """Generate the shapes set at ``root`` unless that folder exists.
+    """Generate the shapes set at ``root`` unless it is there with these settings.
 
-    Generation happens in a temporary sibling folder that is renamed into place, so
-    several processes (ranks) starting at once are safe: the first rename wins.
+    A folder this generator wrote with other settings (or an older generator version) is
+    regenerated, with a warning; a folder it did not write is used as it is. Generation
+    happens in a temporary sibling folder that then replaces ``root``, under a file lock,
+    so several processes (ranks) starting at once generate it once.
     """
     root = Path(root)
-    if root.exists():
+    wanted = _params(num_train, num_val, seed, min_side, max_side)
+    if root.exists() and _stale_reason(root, wanted) is None:
         return root
-    logger.info("generating the shapes data set at %s (train=%d, val=%d, seed=%d)", root, num_train, num_val, seed)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    generate_shapes(tmp, num_train, num_val, seed, min_side, max_side)
-    try:
-        os.rename(tmp, root)
-    except OSError:
-        if not root.exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+    with _folder_lock(root):
+        if root.exists():
+            reason = _stale_reason(root, wanted)
+            if reason is None:
+                return root  # another process made it meanwhile, or not ours to touch
+            logger.warning("regenerating the shapes data set at %s: %s", root, reason)
+        else:
+            logger.info("generating the shapes data set at %s (train=%d, val=%d, seed=%d, sides %d..%d)",
+                        root, num_train, num_val, seed, min_side, max_side)
+        tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        generate_shapes(tmp, num_train, num_val, seed, min_side, max_side)
+        if root.exists():
+            old = root.parent / f".{root.name}.old-{os.getpid()}"
+            os.rename(root, old)
+            os.rename(tmp, root)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, root)
     return root
 
 

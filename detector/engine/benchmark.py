@@ -32,6 +32,7 @@ import os
 import platform
 import resource
 import statistics
+import tempfile
 import time
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -157,6 +158,7 @@ class Runner:
         self.fn = fn
         self.device = device
         self.times: List[float] = []
+        self.cpu_times: List[float] = []
         self.images: List[int] = []
         self.peak_bytes = 0
         self.peak_delta_bytes = 0
@@ -165,13 +167,16 @@ class Runner:
         synchronize(self.device)
         reset_peak_memory(self.device)
         before = current_memory_bytes(self.device)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         n = self.fn(i)
         synchronize(self.device)
         dt = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         peak = peak_memory_bytes(self.device)
         if timed:
             self.times.append(dt)
+            self.cpu_times.append(cpu)
             self.images.append(n)
             self.peak_bytes = max(self.peak_bytes, peak)
             self.peak_delta_bytes = max(self.peak_delta_bytes, peak - before)
@@ -179,6 +184,10 @@ class Runner:
     def summary(self) -> Dict[str, Any]:
         out: Dict[str, Any] = summarize_times(self.times, statistics.mean(self.images) if self.images else 0)
         out["times_s"] = [round(t, 6) for t in self.times]
+        # CPU seconds of this process (all its threads) per iteration: on a shared
+        # machine a steadier measure of the work done than the wall-clock time.
+        out["cpu_median_s"] = float(np.median(self.cpu_times))
+        out["cpu_times_s"] = [round(t, 6) for t in self.cpu_times]
         out["peak_memory_bytes"] = int(self.peak_bytes)
         out["peak_memory_delta_bytes"] = int(self.peak_delta_bytes)
         out["peak_memory_mib"] = round(self.peak_bytes / 2**20, 1)
@@ -199,11 +208,6 @@ def run_interleaved(runners: Sequence[Runner], iters: int, warmup: int) -> None:
 
 
 # --------------------------------------------------------------------------- batches
-
-
-def _clone_batch(batch: Batch) -> Batch:
-    images, targets = batch
-    return [img.clone() for img in images], [dict(t) for t in targets]
 
 
 def batches_from_loader(loader: Any, num_batches: int, pin: bool = False) -> List[Batch]:
@@ -530,9 +534,37 @@ def make_train_step(
             loss.backward()
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if torchvision_api:
+            # torchvision's references/detection/engine.py reads the loss back every
+            # iteration (``loss_value = losses_reduced.item()``) to check it is finite.
+            float(loss.detach())
         return losses
 
     return step
+
+
+def make_trainer_step(model: nn.Module, cfg: Config, device: torch.device, output_dir: str) -> Tuple[Callable[[Batch], Any], nn.Module]:
+    """The project's real hot loop: ``Trainer.run_step`` (autocast, float32 loss sum,
+    GradScaler, gradient norm, the non-finite check with its one read-back, optimizer
+    and LR scheduler step). The Trainer applies the ``train.*`` speed options itself.
+
+    Returns ``(step, model as prepared by the Trainer)``. ``output_dir`` receives the
+    Trainer's config.yaml and an empty metrics.jsonl.
+    """
+    import dataclasses
+
+    from detector.engine.distributed import DistInfo
+    from detector.engine.trainer import Trainer
+
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=output_dir, tensorboard=False))
+    trainer = Trainer(cfg, dist_info=DistInfo(0, 1, 0, device), model=model, train_loader=[])
+
+    def step(batch: Batch) -> Any:
+        images, targets = batch
+        return trainer.run_step(images, targets)
+
+    step.trainer = trainer  # type: ignore[attr-defined]  # keeps its writers alive
+    return step, trainer.model
 
 
 def make_infer_step(model: nn.Module, cfg: Config, device: torch.device, torchvision_api: bool) -> Callable[[Batch], Any]:
@@ -599,6 +631,7 @@ def _ratio(ours: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, float]:
     return {
         "ratio": ours["images_per_s"] / theirs["images_per_s"] if theirs["images_per_s"] > 0 else float("nan"),
         "ratio_pairwise_median": float(np.median(pairs)) if pairs else float("nan"),
+        "ratio_cpu_time": theirs["cpu_median_s"] / ours["cpu_median_s"] if ours["cpu_median_s"] > 0 else float("nan"),
     }
 
 
@@ -618,14 +651,21 @@ def benchmark_model(
     num_batches: int = 4,
     synthetic: bool = False,
     same_weights: bool = True,
+    torchvision_options: bool = False,
 ) -> Dict[str, Any]:
     """Time the training step (``task="train"``) or inference (``"infer"``) of our
-    model on batches cached in memory, alternating with torchvision's if asked."""
+    model on batches cached in memory, alternating with torchvision's if asked.
+
+    Ours trains through ``Trainer.run_step`` (the real hot loop, with the ``train.*``
+    speed options of ``cfg``); torchvision's through :func:`make_train_step`, at its
+    defaults unless ``torchvision_options`` (then with the same ``train.*`` options).
+    ``same_weights``: copy our weights into torchvision's model where names and shapes
+    match, so both see the same proposals and detections."""
     device = resolve_device(cfg.train.device)
     is_train = task == "train"
     torch.manual_seed(cfg.train.seed)
     batches = cached_batches(cfg, is_train, num_batches, synthetic, pin=device.type == "cuda")
-    ours = apply_speed_options(build_ours(cfg, device), cfg, device)
+    ours = build_ours(cfg, device)
     models: Dict[str, nn.Module] = {"ours": ours}
     out: Dict[str, Any] = {"models": {"ours": _model_info(ours)}}
     if compare_torchvision:
@@ -633,27 +673,34 @@ def benchmark_model(
         if same_weights:
             copied, total = copy_matching_weights(ours, tv)
             out["torchvision_weights_copied"] = f"{copied}/{total}"
-        tv = apply_speed_options(tv, cfg, device)
+        if torchvision_options:
+            tv = apply_speed_options(tv, cfg, device)
         models["torchvision"] = tv
         out["models"]["torchvision"] = _model_info(tv)
+    out["torchvision_options"] = "same as ours" if torchvision_options else "torchvision defaults"
 
     runners = []
-    for name, model in models.items():
-        tv_api = name == "torchvision"
-        if is_train:
-            model.train()
-            step = make_train_step(model, _build_optimizer(model, cfg), cfg, device, tv_api)
-        else:
-            model.eval()
-            step = make_infer_step(model, cfg, device, tv_api)
+    with tempfile.TemporaryDirectory(prefix="detector_bench_") as tmp:
+        for name, model in models.items():
+            tv_api = name == "torchvision"
+            if is_train and not tv_api:
+                step, models[name] = make_trainer_step(model, cfg, device, tmp)
+                out["ours_step"] = "detector.engine.trainer.Trainer.run_step"
+            elif is_train:
+                model.train()
+                step = make_train_step(model, _build_optimizer(model, cfg), cfg, device, tv_api)
+            else:
+                model = apply_speed_options(model, cfg, device) if not tv_api else model
+                model.eval()
+                step = make_infer_step(model, cfg, device, tv_api)
 
-        def fn(i: int, step=step) -> int:
-            batch = batches[i % len(batches)]
-            step(batch)
-            return len(batch[0])
+            def fn(i: int, step=step) -> int:
+                batch = batches[i % len(batches)]
+                step(batch)
+                return len(batch[0])
 
-        runners.append(Runner(name, fn, device))
-    run_interleaved(runners, iters, warmup)
+            runners.append(Runner(name, fn, device))
+        run_interleaved(runners, iters, warmup)
     out["runs"] = {r.name: r.summary() for r in runners}
     out["images_per_iter"] = out["runs"]["ours"]["images_per_iter"]
     out["batch_shapes"] = [[list(img.shape) for img in b[0]] for b in batches]
@@ -672,9 +719,8 @@ def benchmark_train_loader(cfg: Config, iters: int, warmup: int) -> Dict[str, An
     torch.manual_seed(cfg.train.seed)
     dataset = build_dataset(cfg, "train", is_train=True)
     loader = build_train_loader(cfg, dataset, 0, 1)
-    model = apply_speed_options(build_ours(cfg, device), cfg, device)
-    model.train()
-    step = make_train_step(model, _build_optimizer(model, cfg), cfg, device, torchvision_api=False)
+    tmp = tempfile.TemporaryDirectory(prefix="detector_bench_")
+    step, _ = make_trainer_step(build_ours(cfg, device), cfg, device, tmp.name)
     waits: List[float] = []
     state = {"epoch": 0, "it": None}
 
@@ -705,6 +751,7 @@ def benchmark_train_loader(cfg: Config, iters: int, warmup: int) -> Dict[str, An
     summary["data_wait_max_s"] = float(np.max(waits)) if waits else 0.0
     summary["num_workers"] = cfg.data.num_workers
     state["it"] = None
+    tmp.cleanup()
     return {"runs": {"ours_loader": summary}}
 
 
@@ -860,12 +907,13 @@ def profile_train_step(
     device = resolve_device(cfg.train.device)
     torch.manual_seed(cfg.train.seed)
     batches = cached_batches(cfg, True, 2, synthetic, pin=device.type == "cuda")
+    tmp = tempfile.TemporaryDirectory(prefix="detector_bench_")
     if torchvision_model:
-        model = apply_speed_options(build_torchvision_model(cfg).to(device), cfg, device)
+        model = build_torchvision_model(cfg).to(device)
+        model.train()
+        step = make_train_step(model, _build_optimizer(model, cfg), cfg, device, True)
     else:
-        model = apply_speed_options(build_ours(cfg, device), cfg, device)
-    model.train()
-    step = make_train_step(model, _build_optimizer(model, cfg), cfg, device, torchvision_model)
+        step, _ = make_trainer_step(build_ours(cfg, device), cfg, device, tmp.name)
     for i in range(warmup):
         step(batches[i % len(batches)])
     synchronize(device)
@@ -873,6 +921,7 @@ def profile_train_step(
     with profile(activities=activities) as prof:
         step(batches[0])
         synchronize(device)
+    tmp.cleanup()
     if trace_path:
         prof.export_chrome_trace(trace_path)
     sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -915,6 +964,8 @@ def run_benchmark(
     results_file: Optional[str] = None,
     config_path: Optional[str] = None,
     overrides: Optional[List[str]] = None,
+    torchvision_options: bool = False,
+    threads: int = 0,
 ) -> Dict[str, Any]:
     """Run one benchmark task and return its JSON-ready result.
 
@@ -926,6 +977,9 @@ def run_benchmark(
         synthetic: random batches at the input size instead of the configured data.
         num_batches: distinct batches cached in memory and cycled through.
         profile: add a ``torch.profiler`` summary of one training step (train only).
+        torchvision_options: give torchvision's model our ``train.*`` speed options too
+            (default: torchvision as it comes).
+        threads: ``torch.set_num_threads`` (0: leave PyTorch's default).
 
     Returns a dict with ``task``, ``config``, ``machine``, ``iters``, ``warmup``,
     ``runs`` (name -> :func:`summarize_times` fields plus ``peak_memory_bytes``,
@@ -940,6 +994,10 @@ def run_benchmark(
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
     if compare_torchvision and task not in ("train", "infer"):
         raise ValueError(f"--compare-torchvision applies to --task train or infer, not {task!r}")
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
     device = resolve_device(cfg.train.device) if task != "eval" and task != "data" else torch.device("cpu")
     result: Dict[str, Any] = {
         "task": task,
@@ -961,7 +1019,10 @@ def run_benchmark(
     }
     t0 = time.perf_counter()
     if task in ("train", "infer"):
-        result.update(benchmark_model(cfg, task, iters, warmup, compare_torchvision, num_batches, synthetic))
+        result.update(
+            benchmark_model(cfg, task, iters, warmup, compare_torchvision, num_batches, synthetic,
+                            torchvision_options=torchvision_options)
+        )
         if task == "train" and loader and not synthetic:
             result["runs"].update(benchmark_train_loader(cfg, iters, warmup)["runs"])
         if task == "train" and profile:
@@ -983,14 +1044,15 @@ def format_summary(result: Dict[str, Any]) -> str:
     mem_unit = "MiB"
     for name, r in result["runs"].items():
         lines.append(
-            f"  {name:<20s} median {r['median_s'] * 1000:9.1f} ms/iter  (IQR {r['iqr_s'] * 1000:7.1f}, "
+            f"  {name:<20s} median {r['median_s'] * 1000:9.1f} ms/iter (cpu {r['cpu_median_s'] * 1000:9.1f})  (IQR {r['iqr_s'] * 1000:7.1f}, "
             f"min {r['min_s'] * 1000:8.1f}, max {r['max_s'] * 1000:8.1f})  {r['images_per_s']:8.2f} images/s  "
             f"peak {r['peak_memory_mib']:8.1f} {mem_unit} ({r['memory_kind']})"
         )
     if "ratio" in result:
         lines.append(
             f"  ours / torchvision images/s: {result['ratio']:.3f} (median of per-iteration pairs "
-            f"{result['ratio_pairwise_median']:.3f})"
+            f"{result['ratio_pairwise_median']:.3f}; by CPU time {result['ratio_cpu_time']:.3f}; "
+            f"torchvision with {result['torchvision_options']})"
         )
     if "ratio_vs_pycocotools" in result:
         for k, v in result["ratio_vs_pycocotools"].items():

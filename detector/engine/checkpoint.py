@@ -230,6 +230,27 @@ def save_checkpoint(path: "str | os.PathLike", state: _Dict[str, _Any]) -> _Path
     return path
 
 
+def link_or_copy_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike") -> _Path:
+    """Make ``dst`` hold the same checkpoint as ``src``, atomically: a hard link (no
+    second write) where the file system allows it, else a copy; then ``os.replace``."""
+    import shutil as _shutil
+
+    src, dst = _Path(src), _Path(dst)
+    tmp = dst.with_name(f".{dst.name}.{_os.getpid()}.tmp")
+    try:
+        if tmp.exists():
+            tmp.unlink()
+        try:
+            _os.link(src, tmp)
+        except OSError:
+            _shutil.copyfile(src, tmp)
+        _os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return dst
+
+
 def load_checkpoint(path: "str | os.PathLike", map_location: "str | torch.device" = "cpu") -> _Dict[str, _Any]:
     """Load a training checkpoint with ``torch.load(weights_only=True)``."""
     path = _Path(path)

@@ -385,8 +385,9 @@ class Trainer:
         Every rank must call it (the RNG states are gathered)."""
         state = self.checkpoint_state()
         if self.is_main:
-            for name in names:
-                ckpt.save_checkpoint(self.ckpt_dir / name, state)
+            first = ckpt.save_checkpoint(self.ckpt_dir / names[0], state)
+            for name in names[1:]:  # the same bytes under another name: a hard link if possible
+                ckpt.link_or_copy_checkpoint(first, self.ckpt_dir / name)
             if any(n.startswith("iter_") for n in names):
                 for p in ckpt.prune_checkpoints(self.ckpt_dir, self.cfg.train.keep_last):
                     logger.debug("removed old checkpoint %s", p)
@@ -575,7 +576,7 @@ class Trainer:
                     if cfg.train.eval_period > 0 and self.iteration % cfg.train.eval_period == 0 and not done:
                         self._evaluate_and_keep_best()
                     if cfg.train.checkpoint_period > 0 and self.iteration % cfg.train.checkpoint_period == 0 and not done:
-                        self.save(["last.pth", ckpt.numbered_checkpoint_name(self.iteration)])
+                        self.save([ckpt.numbered_checkpoint_name(self.iteration), "last.pth"])
                     if self._stop_signal is not None and not done:
                         status = "interrupted"
                         break
@@ -594,7 +595,7 @@ class Trainer:
             else:
                 if cfg.train.eval_period >= 0:
                     self._evaluate_and_keep_best()
-                self.save(["last.pth", ckpt.numbered_checkpoint_name(self.iteration)])
+                self.save([ckpt.numbered_checkpoint_name(self.iteration), "last.pth"])
             barrier()
         finally:
             for sig, h in old_handlers.items():

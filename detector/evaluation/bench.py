@@ -84,8 +84,9 @@ def pycocotools_direct(gt: Dict[str, Any], dets: List[Dict[str, Any]]) -> np.nda
 
 
 def run_benchmark(num_images: int = 5000, boxes_per_image: int = 30, repeats: int = 1, seed: int = 0) -> Dict[str, Any]:
-    """Seconds (best of ``repeats``) for pycocotools direct and our evaluator with each
-    backend, their ratios, and whether the 12 numbers agree."""
+    """Seconds (best of ``repeats``, wall clock and process CPU time) for pycocotools
+    direct and our evaluator with each backend, their ratios (also the median of the
+    ratios of adjacent runs, robust to load drift), and whether the 12 numbers agree."""
     gt, dets = generate_case(num_images, boxes_per_image, seed=seed)
 
     runs = {
@@ -94,16 +95,21 @@ def run_benchmark(num_images: int = 5000, boxes_per_image: int = 30, repeats: in
         "fast": lambda g, d: coco_evaluate(g, d, backend="faster"),
     }
     times: Dict[str, List[float]] = {k: [] for k in runs}
+    cpu: Dict[str, List[float]] = {k: [] for k in runs}
     outputs: Dict[str, Any] = {}
     for _ in range(repeats):  # interleaved, so drift in machine load hits all three alike
         for name, fn in runs.items():
             # Fresh copies outside the timed region: pycocotools mutates its inputs.
             g, d = copy.deepcopy(gt), copy.deepcopy(dets)
             gc.collect()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outputs[name] = fn(g, d)
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            del g, d
     t_ref, t_ours, t_fast = (min(times[k]) for k in ("ref", "ours", "fast"))
+    c_ref, c_ours, c_fast = (min(cpu[k]) for k in ("ref", "ours", "fast"))
+    pair_ratios = [o / r for o, r in zip(times["ours"], times["ref"])]
     ref, ours, fast = outputs["ref"], outputs["ours"], outputs["fast"]
     ours_v = np.array([ours.metrics[k] for k in COCO_METRIC_NAMES])
     fast_v = np.array([fast.metrics[k] for k in COCO_METRIC_NAMES])
@@ -116,7 +122,14 @@ def run_benchmark(num_images: int = 5000, boxes_per_image: int = 30, repeats: in
         "ours_pycocotools_s": round(t_ours, 3),
         "ours_faster_s": round(t_fast, 3),
         "ratio_ours_pycocotools": round(t_ours / t_ref, 3),
+        "ratio_ours_pycocotools_median_of_pairs": round(float(np.median(pair_ratios)), 3),
         "speedup_faster": round(t_ref / t_fast, 2),
+        "cpu_pycocotools_direct_s": round(c_ref, 3),
+        "cpu_ours_pycocotools_s": round(c_ours, 3),
+        "cpu_ours_faster_s": round(c_fast, 3),
+        "cpu_ratio_ours_pycocotools": round(c_ours / c_ref, 3),
+        "cpu_speedup_faster": round(c_ref / c_fast, 2),
+        "all_wall_s": {k: [round(v, 2) for v in vs] for k, vs in times.items()},
         "max_abs_diff_pycocotools": float(np.max(np.abs(ours_v - ref))),
         "max_abs_diff_faster": float(np.max(np.abs(fast_v - ref))),
         "AP": float(ref[0]),

@@ -1,0 +1,116 @@
+"""DDP on the CPU: ``torchrun --nproc_per_node=2`` (gloo) trains the tiny model.
+
+Checks: parameters identical on both ranks afterwards, the logged loss is the mean of
+the ranks' losses, only rank 0 wrote files, and the ranks saw disjoint images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from detector.engine.log import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    from detector.config import load_config
+    from detector.engine.distributed import init_distributed
+    from detector.engine.log import setup_logging
+    from detector.engine.trainer import Trainer
+    from detector.modeling import build_model
+
+    side, out, *overrides = sys.argv[1:]
+    info = init_distributed("cpu")
+    # Rank 1 is told another output folder: it must stay absent (rank 0 writes all files).
+    out_rank = out if info.rank == 0 else out + "_rank1"
+    cfg = load_config(os.path.join({root!r}, "configs", "tiny_cpu.yaml"), overrides + [f"train.output_dir={{out_rank}}"])
+    setup_logging(cfg.train.output_dir, info.rank)
+    model = build_model(cfg)
+    seen = []
+    forward = model.forward
+
+    def recording_forward(images, targets=None):
+        out = forward(images, targets)
+        if model.training:
+            seen.append({{"ids": [int(t["image_id"]) for t in targets],
+                          "total": float(sum(v.detach().float() for v in out.values()))}})
+        return out
+
+    model.forward = recording_forward
+    trainer = Trainer(cfg, dist_info=info, model=model)
+    assert isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
+    result = trainer.train()
+    trainer.close()
+    torch.save(trainer.model_without_ddp.state_dict(), os.path.join(side, f"params_{{info.rank}}.pt"))
+    with open(os.path.join(side, f"seen_{{info.rank}}.json"), "w") as f:
+        json.dump(seen, f)
+    torch.distributed.destroy_process_group()
+""").format(root=str(ROOT))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_torchrun_two_cpu_ranks(tmp_path):
+    data = tmp_path / "shapes"
+    out = tmp_path / "run"
+    side = tmp_path / "side"
+    side.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    overrides = [
+        f"data.train.root={data}", f"data.val.root={data}",
+        "data.shapes.num_train=8", "data.shapes.num_val=4", "data.shapes.min_side=64", "data.shapes.max_side=96",
+        "data.num_workers=0", "input.min_size_train=[64]", "input.max_size_train=96", "input.hflip_prob=0.0",
+        "model.fpn_channels=32", "model.gn_groups=8", "roi_heads.representation_size=64",
+        "rpn.batch_size_per_image=64", "roi_heads.batch_size_per_image=32",
+        "rpn.pre_nms_topk_train=200", "rpn.post_nms_topk_train=100",
+        "solver.images_per_gpu=2", "solver.reference_batch_size=4", "solver.max_iter=3", "solver.warmup_iters=1",
+        "solver.steps=[100]", "train.device=cpu", "train.log_period=1", "train.eval_period=-1",
+        "train.checkpoint_period=2", "train.tensorboard=false",
+    ]
+    # Generate the data once, before the ranks start.
+    from detector.data.shapes import ensure_shapes
+
+    ensure_shapes(data, 8, 4, 0, 64, 96)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(script), str(side), str(out), *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    p0 = torch.load(side / "params_0.pt", weights_only=True)
+    p1 = torch.load(side / "params_1.pt", weights_only=True)
+    assert p0.keys() == p1.keys()
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+    seen0 = json.loads((side / "seen_0.json").read_text())
+    seen1 = json.loads((side / "seen_1.json").read_text())
+    assert len(seen0) == len(seen1) == 3
+    # Epoch 0 (2 batches per rank: 8 images / 2 ranks / 2 per batch): disjoint shards.
+    ids0 = {i for s in seen0[:2] for i in s["ids"]}
+    ids1 = {i for s in seen1[:2] for i in s["ids"]}
+    assert ids0 and ids1 and not ids0 & ids1
+    assert all(not set(a["ids"]) & set(b["ids"]) for a, b in zip(seen0, seen1))
+
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "train"]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    for r, a, b in zip(records, seen0, seen1):
+        assert r["total_loss"] == pytest.approx((a["total"] + b["total"]) / 2, rel=1e-5)
+        assert r["total_loss"] != pytest.approx(a["total"], rel=1e-3) or a["total"] == pytest.approx(b["total"])
+
+    # Only rank 0 wrote files: rank 1's output folder was never created.
+    assert not Path(str(out) + "_rank1").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_0000002.pth", "iter_0000003.pth", "last.pth"]
+    state = torch.load(out / "checkpoints" / "last.pth", weights_only=True)
+    assert state["world_size"] == 2 and len(state["rng"]["per_rank"]) == 2
+    assert all(torch.equal(state["model"][k], p0[k]) for k in p0)

@@ -1,0 +1,63 @@
+"""TensorBoard: the event files read back hold the training scalars, the evaluation
+metrics, images with boxes and the config text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from detector.config import load_config
+from detector.engine.log import read_jsonl
+from detector.engine.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_event_files_hold_scalars_images_and_config(tmp_path):
+    data = tmp_path / "shapes"
+    out = tmp_path / "run"
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
+        f"train.output_dir={out}", f"data.train.root={data}", f"data.val.root={data}",
+        "data.shapes.num_train=8", "data.shapes.num_val=3", "data.shapes.min_side=64", "data.shapes.max_side=96",
+        "data.num_workers=0", "input.min_size_train=[64]", "input.max_size_train=96",
+        "input.min_size_test=64", "input.max_size_test=96",
+        "model.fpn_channels=32", "model.gn_groups=8", "roi_heads.representation_size=64",
+        "rpn.pre_nms_topk_train=200", "rpn.post_nms_topk_train=100",
+        "rpn.pre_nms_topk_test=100", "rpn.post_nms_topk_test=50",
+        "roi_heads.score_thresh=0.0", "eval.score_thresh=0.0",
+        "solver.images_per_gpu=1", "solver.reference_batch_size=1", "solver.max_iter=2", "solver.warmup_iters=1",
+        "solver.steps=[100]", "solver.param_groups=[{match: backbone.body, lr_mult: 0.5}]",
+        "train.amp.enabled=true", "train.amp.dtype=float16",
+        "train.device=cpu", "train.log_period=1", "train.eval_period=0", "train.vis_images=2",
+        "train.checkpoint_period=0", "train.tensorboard=true", "eval.images_per_gpu=3",
+    ])
+    trainer = Trainer(cfg)
+    result = trainer.train()
+    trainer.close()
+    assert result.iteration == 2 and "AP" in result.metrics
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    ea.Reload()
+    tags = ea.Tags()
+    scalars = set(tags["scalars"])
+    expected = {
+        "loss/total_loss", "loss/loss_rpn_cls", "loss/loss_rpn_box", "loss/loss_roi_cls", "loss/loss_roi_box",
+        "lr/backbone.body", "lr/default", "lr/default/norm", "train/grad_norm", "train/amp_scale",
+        "time/iter", "time/data", "train/images_per_sec", "memory/peak_mb",
+        "eval/AP", "eval/AP50", "eval/AP75", "eval/mAP_voc07",
+    }
+    assert expected <= scalars, expected - scalars
+    assert [e.step for e in ea.Scalars("loss/total_loss")] == [1, 2]
+    jsonl = [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "train"]
+    assert [e.value for e in ea.Scalars("loss/total_loss")] == pytest.approx([r["total_loss"] for r in jsonl], rel=1e-6)
+    lr_ratio = [b.value / d.value for b, d in zip(ea.Scalars("lr/backbone.body"), ea.Scalars("lr/default"))]
+    assert lr_ratio == pytest.approx([0.5, 0.5])
+    assert ea.Scalars("eval/AP")[-1].value == pytest.approx(result.metrics["AP"], abs=1e-6)
+    assert {"val/detections_0", "val/detections_1"} <= set(tags["images"])
+    img = ea.Images("val/detections_0")[-1]
+    assert img.step == 2 and img.width > 0 and img.height > 0
+    assert any(t.startswith("config") for t in tags["tensors"])
