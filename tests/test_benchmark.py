@@ -44,12 +44,21 @@ def _check_run(run: dict, iters: int) -> None:
     assert 20 * 2**20 < run["peak_memory_bytes"] < 16 * 2**30
 
 
-def test_train_json_tiny_config(tmp_path):
+@pytest.fixture
+def restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_train_json_tiny_config(tmp_path, restore_threads):
     out = tmp_path / "bench.json"
     tool = _load_tool()
+    # One thread: the test checks the output, not the speed, and stays quick on a busy machine.
     rc = tool.main([
         "--config", str(TINY), "--task", "train", "--iters", "2", "--warmup", "1", "--num-batches", "2",
-        "--compare-torchvision", "--json", str(out), "train.device=cpu", f"data.train.root={tmp_path / 'shapes'}",
+        "--threads", "1", "--compare-torchvision", "--json", str(out), "train.device=cpu",
+        f"data.train.root={tmp_path / 'shapes'}",
         f"data.val.root={tmp_path / 'shapes'}", "data.shapes.num_train=12", "data.shapes.num_val=4",
     ])
     assert rc == 0
@@ -67,6 +76,9 @@ def test_train_json_tiny_config(tmp_path):
     expected = result["runs"]["ours"]["images_per_s"] / result["runs"]["torchvision"]["images_per_s"]
     assert math.isclose(result["ratio"], expected, rel_tol=1e-9)
     assert result["runs"]["ours_loader"]["data_wait_median_s"] >= 0
+    assert result["machine"]["torch_threads"] == 1
+    assert result["ours_step"].endswith("Trainer.run_step")
+    assert 0 < result["runs"]["ours"]["cpu_median_s"] < 600
 
 
 def test_summarize_times_matches_numpy():
@@ -117,8 +129,8 @@ def test_torchvision_counterpart_matches_config():
 
 def test_eval_scoring_matches_pycocotools():
     cfg = load_config(None)
-    result = bm.benchmark_eval(cfg, iters=1, warmup=0, num_images=20, dets_per_image=10)
-    assert {"pycocotools_direct", "ours_pycocotools"} <= set(result["runs"])
+    result = bm.benchmark_eval(cfg, iters=1, warmup=0, num_images=20, boxes_per_image=10)
+    assert {"pycocotools_direct", "ours_pycocotools", "ours_all_metrics"} <= set(result["runs"])
     for name, diff in result["max_abs_diff_vs_pycocotools"].items():
         assert diff < 1e-9, name
     for run in result["runs"].values():
@@ -133,3 +145,27 @@ def test_bad_arguments_have_clear_messages():
         bm.run_benchmark(cfg, "train", iters=0)
     with pytest.raises(ValueError, match="--compare-torchvision applies to --task train or infer"):
         bm.run_benchmark(cfg, "eval", compare_torchvision=True)
+
+
+def test_command_memory_sees_the_child_allocation():
+    import sys
+
+    code = "import time; x = bytearray(200 * 2**20); x[::4096] = b'1' * len(x[::4096]); time.sleep(1.0)"
+    m = bm.measure_command_memory([sys.executable, "-c", code], interval_s=0.05)
+    assert m["returncode"] == 0 and m["samples"] >= 3
+    assert m["peak_tree_rss_bytes"] >= 190 * 2**20
+    assert m["peak_tree_pss_bytes"] >= 190 * 2**20
+    assert m["peak_largest_process_rss_bytes"] >= 190 * 2**20
+
+
+def test_data_task_json(tmp_path):
+    out = tmp_path / "data.json"
+    rc = _load_tool().main([
+        "--config", str(TINY), "--task", "data", "--iters", "3", "--warmup", "1", "--json", str(out),
+        f"data.train.root={tmp_path / 'shapes'}", f"data.val.root={tmp_path / 'shapes'}",
+        "data.shapes.num_train=12", "data.shapes.num_val=4",
+    ])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    _check_run(result["runs"]["loader"], 3)
+    assert result["runs"]["loader"]["images_per_iter"] == load_config(TINY).solver.images_per_gpu

@@ -41,10 +41,8 @@ def shapes_image(h: int = 128, w: int = 128):
 
 def test_one_training_step_losses_and_gradients(tiny_cfg):
     torch.manual_seed(0)
-    cfg = load_config(None, [])
-    cfg.model, cfg.rpn, cfg.roi_heads = tiny_cfg.model, tiny_cfg.rpn, tiny_cfg.roi_heads
-    cfg.model.freeze_at = 2
-    model = build_model(cfg).train()
+    assert tiny_cfg.model.freeze_at == 2  # stem and layer1 frozen
+    model = build_model(tiny_cfg).train()
     img, target = shapes_image()
     losses = model([img], [target])
     assert set(losses) == LOSS_KEYS
@@ -90,8 +88,18 @@ def test_mixed_sizes_and_empty_image(tiny_cfg):
         assert (o["scores"][:-1] >= o["scores"][1:]).all()
 
 
+@pytest.fixture
+def one_thread():
+    """The tiny model gains little from intra-op threads; on a shared CPU one thread
+    avoids oversubscription (several times faster under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.slow
-def test_overfit_one_image(tiny_cfg):
+def test_overfit_one_image(tiny_cfg, one_thread):
     torch.manual_seed(0)
     model = build_model(tiny_cfg).train()
     img, target = shapes_image()
@@ -106,10 +114,7 @@ def test_overfit_one_image(tiny_cfg):
         loss.backward()
         opt.step()
         first = loss.item() if first is None else first
-    model.eval()
     with torch.no_grad():
-        final = None
-        model.train()
         final = sum(model([img], [target]).values()).item()
         model.eval()
         out = model([img])[0]
@@ -222,3 +227,27 @@ def test_bad_backbone_settings():
     cfg.model.return_stages = [3, 4]  # set after loading: build_model checks it too
     with pytest.raises(ValueError, match="model.anchors.sizes"):
         build_model(cfg)
+
+
+@pytest.mark.parametrize("norm", ["frozen_bn", "gn"])
+def test_backbone_weights_by_torchvision_name(monkeypatch, norm):
+    """The ImageNet-weights path, with torchvision's download replaced by a local state dict."""
+    import torchvision
+
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18()
+    with torch.no_grad():
+        reference.bn1.running_var.fill_(2.0)
+
+    class FakeWeights:
+        def get_state_dict(self, progress=True):
+            return reference.state_dict()
+
+    names = []
+    monkeypatch.setattr(torchvision.models, "get_weight", lambda name: names.append(name) or FakeWeights())
+    bb = build_resnet_fpn("resnet18", norm=norm, fpn_channels=16, backbone_weights="ResNet18_Weights.IMAGENET1K_V1")
+    assert names == ["ResNet18_Weights.IMAGENET1K_V1"]
+    torch.testing.assert_close(bb.body.layer3[1].conv2.weight, reference.layer3[1].conv2.weight)
+    torch.testing.assert_close(bb.body.layer4[0].bn1.weight, reference.layer4[0].bn1.weight)
+    if norm == "frozen_bn":
+        assert torch.equal(bb.body.bn1.running_var, torch.full((64,), 2.0))

@@ -4,6 +4,7 @@
     python tools/benchmark.py --config configs/torchvision_r50_fpn_coco.yaml --task infer \\
         --compare-torchvision --synthetic input.min_size_test=512 input.max_size_test=683
     python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --iters 50 --json out.json
+    python tools/benchmark.py --config configs/demo_shapes_cpu.yaml --task memory   # peak RSS of the demo run
 
 Trailing ``key=value`` arguments override the config. See docs/performance.md.
 """
@@ -36,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: PyTorch's choice)")
     p.add_argument("--gt", help="eval: COCO ground-truth JSON (default: a synthetic set)")
     p.add_argument("--results", help="eval: COCO results JSON matching --gt")
+    p.add_argument("--eval-images", type=int, default=500, help="eval: images of the generated case (default 500)")
+    p.add_argument("--eval-boxes", type=int, default=30, help="eval: objects and detections per image (default 30)")
     p.add_argument("--json", dest="json_out", help="write the full result here")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args(argv)
@@ -60,6 +63,8 @@ def main(argv=None) -> int:
         profile=args.profile,
         gt_file=args.gt,
         results_file=args.results,
+        eval_images=args.eval_images,
+        eval_boxes=args.eval_boxes,
         config_path=args.config,
         overrides=args.overrides,
         torchvision_options=args.torchvision_options,

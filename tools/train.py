@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
+
+# OpenMP threads that sleep instead of spinning while they wait: on a CPU shared with
+# other processes, spinning threads can make training ~10x slower. Must be set before
+# torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Allow `python tools/train.py` from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

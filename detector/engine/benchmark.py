@@ -46,7 +46,7 @@ from detector.engine.distributed import resolve_device
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("train", "infer", "data", "eval")
+TASKS = ("train", "infer", "data", "eval", "memory")
 
 Batch = Tuple[List[torch.Tensor], List[Dict[str, Any]]]
 
@@ -150,12 +150,16 @@ def summarize_times(times: Sequence[float], images_per_iter: float) -> Dict[str,
 class Runner:
     """Times one callable per iteration and tracks its peak memory.
 
-    ``fn(i)`` runs iteration ``i`` and returns the number of images it processed.
+    ``fn(i)`` runs iteration ``i`` and returns the number of images it processed;
+    ``prepare(i)``, if given, runs first, outside the timed region (e.g. fresh copies
+    of inputs that the timed code mutates).
     """
 
-    def __init__(self, name: str, fn: Callable[[int], int], device: torch.device):
+    def __init__(self, name: str, fn: Callable[[int], int], device: torch.device,
+                 prepare: Optional[Callable[[int], None]] = None):
         self.name = name
         self.fn = fn
+        self.prepare = prepare
         self.device = device
         self.times: List[float] = []
         self.cpu_times: List[float] = []
@@ -164,6 +168,8 @@ class Runner:
         self.peak_delta_bytes = 0
 
     def run(self, i: int, timed: bool = True) -> None:
+        if self.prepare is not None:
+            self.prepare(i)
         synchronize(self.device)
         reset_peak_memory(self.device)
         before = current_memory_bytes(self.device)
@@ -788,52 +794,6 @@ def benchmark_data(cfg: Config, iters: int, warmup: int) -> Dict[str, Any]:
     return {"runs": {"loader": summary}, "images_per_iter": summary["images_per_iter"]}
 
 
-def synthetic_coco(num_images: int, dets_per_image: int, num_classes: int = 80, seed: int = 0) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
-    """A COCO ground-truth dict and detections on it (jittered true boxes plus random
-    false positives, ``dets_per_image`` per image) for timing the scorers."""
-    rng = np.random.default_rng(seed)
-    images, anns, results = [], [], []
-    cats = [{"id": c + 1, "name": f"class{c + 1}"} for c in range(num_classes)]
-    aid = 1
-    for i in range(num_images):
-        w, h = 640, 480
-        images.append({"id": i + 1, "width": w, "height": h, "file_name": f"{i + 1}.jpg"})
-        n = int(rng.integers(1, 15))
-        for _ in range(n):
-            bw, bh = rng.uniform(8, 300), rng.uniform(8, 300)
-            x, y = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
-            c = int(rng.integers(1, num_classes + 1))
-            anns.append({"id": aid, "image_id": i + 1, "category_id": c, "bbox": [x, y, bw, bh], "area": bw * bh, "iscrowd": 0})
-            aid += 1
-            if len(results) < (i + 1) * dets_per_image:
-                j = rng.normal(0, 0.1 * min(bw, bh), 4)
-                results.append({"image_id": i + 1, "category_id": c, "bbox": [x + j[0], y + j[1], max(1.0, bw + j[2]), max(1.0, bh + j[3])], "score": float(rng.uniform(0.3, 1.0))})
-        while len(results) < (i + 1) * dets_per_image:
-            bw, bh = rng.uniform(8, 300), rng.uniform(8, 300)
-            results.append({"image_id": i + 1, "category_id": int(rng.integers(1, num_classes + 1)), "bbox": [rng.uniform(0, w - bw), rng.uniform(0, h - bh), bw, bh], "score": float(rng.uniform(0.0, 0.6))})
-    return {"images": images, "annotations": anns, "categories": cats}, results
-
-
-def _pycocotools_direct(gt: Dict[str, Any], results: List[Dict[str, Any]]) -> List[float]:
-    """pycocotools as its README uses it: COCO(), loadRes, COCOeval evaluate /
-    accumulate / summarize. Returns the 12 stats."""
-    import io
-
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco = COCO()
-        coco.dataset = copy.deepcopy(gt)
-        coco.createIndex()
-        dt = coco.loadRes(copy.deepcopy(results))
-        ev = COCOeval(coco, dt, "bbox")
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    return [float(s) for s in ev.stats]
-
-
 def benchmark_eval(
     cfg: Config,
     iters: int,
@@ -841,12 +801,17 @@ def benchmark_eval(
     gt_file: Optional[str] = None,
     results_file: Optional[str] = None,
     num_images: int = 500,
-    dets_per_image: int = 100,
+    boxes_per_image: int = 30,
 ) -> Dict[str, Any]:
-    """COCO scoring speed: ``detector.evaluation.coco.coco_evaluate`` (pycocotools and
-    faster-coco-eval backends) against pycocotools called directly, interleaved, on a
-    given gt/results pair or on :func:`synthetic_coco`. Checks the numbers agree."""
-    from detector.evaluation.coco import coco_evaluate
+    """COCO scoring speed, interleaved: pycocotools called directly (the documented
+    sequence, ``detector.evaluation.bench.pycocotools_direct``) against our
+    ``coco_evaluate`` with each backend and ``score_detections`` (every metric: COCO,
+    VOC, IoU, confusion matrix). Inputs are a given gt/results pair or the evaluation
+    helper's synthetic COCO-like case (``generate_case``); fresh copies of them are made
+    outside the timed region. Checks that the 12 COCO numbers agree."""
+    from detector.evaluation.bench import generate_case, pycocotools_direct
+    from detector.evaluation.coco import COCO_METRIC_NAMES, coco_evaluate
+    from detector.evaluation.scoring import score_detections
 
     device = torch.device("cpu")
     if gt_file:
@@ -854,35 +819,118 @@ def benchmark_eval(
             gt = json.load(f)
         with open(results_file) as f:  # type: ignore[arg-type]
             results = json.load(f)
-        source = {"gt": gt_file, "results": results_file}
+        source: Dict[str, Any] = {"gt": gt_file, "results": results_file}
     else:
-        gt, results = synthetic_coco(num_images, dets_per_image, seed=cfg.train.seed)
-        source = {"synthetic_images": num_images, "dets_per_image": dets_per_image}
+        gt, results = generate_case(num_images, boxes_per_image, seed=cfg.train.seed)
+        source = {"generated_images": num_images, "boxes_per_image": boxes_per_image}
+    source.update(images=len(gt["images"]), gt_boxes=len(gt["annotations"]), detections=len(results))
     n_img = len(gt["images"])
-    stats: Dict[str, List[float]] = {}
+    stats: Dict[str, np.ndarray] = {}
+    inputs: Dict[str, Any] = {}
 
-    def make(name: str, fn: Callable[[], List[float]]) -> Runner:
-        def run(i: int) -> int:
-            stats[name] = fn()
-            return n_img
+    def fresh(i: int) -> None:
+        inputs["gt"], inputs["results"] = copy.deepcopy(gt), copy.deepcopy(results)
 
-        return Runner(name, run, device)
+    def twelve(metrics: Dict[str, float]) -> np.ndarray:
+        return np.array([metrics[k] for k in COCO_METRIC_NAMES])
 
-    runners = [make("pycocotools_direct", lambda: _pycocotools_direct(gt, results))]
-    runners.append(make("ours_pycocotools", lambda: list(coco_evaluate(gt, results, backend="pycocotools").metrics.values())))
+    scorers: Dict[str, Callable[[Dict[str, Any], List[Dict[str, Any]]], np.ndarray]] = {
+        "pycocotools_direct": lambda g, r: np.asarray(pycocotools_direct(g, r))[:12],
+        "ours_pycocotools": lambda g, r: twelve(coco_evaluate(g, r, backend="pycocotools").metrics),
+    }
     try:
         import faster_coco_eval  # noqa: F401
 
-        runners.append(make("ours_faster", lambda: list(coco_evaluate(gt, results, backend="faster").metrics.values())))
+        scorers["ours_faster"] = lambda g, r: twelve(coco_evaluate(g, r, backend="faster").metrics)
     except ImportError:
         logger.warning("faster-coco-eval is not installed; timing the pycocotools backend only")
+    scorers["ours_all_metrics"] = lambda g, r: twelve(score_detections(g, r, backend=cfg.eval.backend).metrics)
+
+    runners = []
+    for name, scorer in scorers.items():
+        def run(i: int, name=name, scorer=scorer) -> int:
+            stats[name] = scorer(inputs["gt"], inputs["results"])
+            return n_img
+
+        runners.append(Runner(name, run, device, prepare=fresh))
     run_interleaved(runners, iters, warmup)
     out: Dict[str, Any] = {"runs": {r.name: r.summary() for r in runners}, "source": source, "images_per_iter": n_img}
-    ref = np.asarray(stats["pycocotools_direct"][:12])
-    out["max_abs_diff_vs_pycocotools"] = {k: float(np.max(np.abs(np.asarray(v[:12]) - ref))) for k, v in stats.items()}
+    ref = stats["pycocotools_direct"]
+    out["max_abs_diff_vs_pycocotools"] = {k: float(np.max(np.abs(v - ref))) for k, v in stats.items()}
     ref_ips = out["runs"]["pycocotools_direct"]["images_per_s"]
     out["ratio_vs_pycocotools"] = {k: r["images_per_s"] / ref_ips for k, r in out["runs"].items()}
     return out
+
+
+# --------------------------------------------------------------------------- memory of a run
+
+
+def _process_tree(root_pid: int) -> List[int]:
+    """``root_pid`` and all its descendants (from /proc/*/stat)."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _proc_kib(path: str, field: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def measure_command_memory(cmd: List[str], interval_s: float = 0.2) -> Dict[str, Any]:
+    """Run ``cmd`` and sample the memory of its whole process tree (the trainer and its
+    data-loader workers) every ``interval_s``.
+
+    Returns ``returncode``, ``wall_s``, ``peak_tree_rss_bytes`` (sum of the processes'
+    resident sets: counts pages shared between them once per process, an upper bound),
+    ``peak_tree_pss_bytes`` (proportional set size: shared pages split between the
+    sharers, the tree's real footprint) and ``peak_largest_process_rss_bytes``
+    (``ru_maxrss`` of the largest child, what ``/usr/bin/time -v`` reports).
+    """
+    import subprocess
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    peak_rss = peak_pss = 0
+    samples = 0
+    while proc.poll() is None:
+        pids = _process_tree(proc.pid)
+        rss = sum(_proc_kib(f"/proc/{p}/status", "VmRSS:") for p in pids)
+        pss = sum(_proc_kib(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids)
+        peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+        samples += 1
+        time.sleep(interval_s)
+    wall = time.perf_counter() - t0
+    largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {
+        "command": cmd,
+        "returncode": proc.returncode,
+        "wall_s": round(wall, 2),
+        "samples": samples,
+        "peak_tree_rss_bytes": peak_rss * 1024,
+        "peak_tree_pss_bytes": peak_pss * 1024,
+        "peak_largest_process_rss_bytes": largest * 1024,
+    }
 
 
 # --------------------------------------------------------------------------- profile
@@ -966,6 +1014,8 @@ def run_benchmark(
     overrides: Optional[List[str]] = None,
     torchvision_options: bool = False,
     threads: int = 0,
+    eval_images: int = 500,
+    eval_boxes: int = 30,
 ) -> Dict[str, Any]:
     """Run one benchmark task and return its JSON-ready result.
 
@@ -980,6 +1030,7 @@ def run_benchmark(
         torchvision_options: give torchvision's model our ``train.*`` speed options too
             (default: torchvision as it comes).
         threads: ``torch.set_num_threads`` (0: leave PyTorch's default).
+        eval_images, eval_boxes: size of the generated case of ``task="eval"``.
 
     Returns a dict with ``task``, ``config``, ``machine``, ``iters``, ``warmup``,
     ``runs`` (name -> :func:`summarize_times` fields plus ``peak_memory_bytes``,
@@ -998,7 +1049,7 @@ def run_benchmark(
         raise ValueError(f"--threads must be >= 0, got {threads}")
     if threads:
         torch.set_num_threads(threads)
-    device = resolve_device(cfg.train.device) if task != "eval" and task != "data" else torch.device("cpu")
+    device = resolve_device(cfg.train.device) if task in ("train", "infer") else torch.device("cpu")
     result: Dict[str, Any] = {
         "task": task,
         "config": config_path,
@@ -1031,8 +1082,16 @@ def run_benchmark(
                 result["profile"]["torchvision"] = profile_train_step(cfg, synthetic=synthetic, torchvision_model=True)
     elif task == "data":
         result.update(benchmark_data(cfg, iters, warmup))
+    elif task == "memory":
+        if config_path is None:
+            raise ValueError("--task memory runs tools/train.py and needs the config path")
+        train_py = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools", "train.py")
+        import sys
+
+        result["memory"] = measure_command_memory([sys.executable, train_py, "--config", config_path, *(overrides or [])])
+        result["runs"] = {}
     else:
-        result.update(benchmark_eval(cfg, iters, warmup, gt_file, results_file))
+        result.update(benchmark_eval(cfg, iters, warmup, gt_file, results_file, eval_images, eval_boxes))
     result["wall_s"] = round(time.perf_counter() - t0, 3)
     result["config_resolved"] = config_to_dict(cfg)
     return result
@@ -1057,6 +1116,13 @@ def format_summary(result: Dict[str, Any]) -> str:
     if "ratio_vs_pycocotools" in result:
         for k, v in result["ratio_vs_pycocotools"].items():
             lines.append(f"  {k} / pycocotools_direct speed: {v:.3f} (max |stat diff| {result['max_abs_diff_vs_pycocotools'][k]:.2e})")
+    if "memory" in result:
+        m = result["memory"]
+        lines.append(
+            f"  {' '.join(m['command'][1:])}: exit {m['returncode']}, {m['wall_s']:.0f} s, peak tree RSS "
+            f"{m['peak_tree_rss_bytes'] / 2**30:.2f} GiB, peak tree PSS {m['peak_tree_pss_bytes'] / 2**30:.2f} GiB, "
+            f"largest process {m['peak_largest_process_rss_bytes'] / 2**30:.2f} GiB"
+        )
     for name, prof in (result.get("profile") or {}).items():
         lines.append(f"  profile ({name}), one training step, top operators by self time:")
         for op in prof["top_ops"]:
