@@ -97,3 +97,7 @@ def test_unknown_category_and_bad_bbox_are_named(case):
         coco_evaluate(gt, dets, backend="nope")
     with pytest.raises(ValueError, match="missing the 'categories' section"):
         coco_evaluate({"images": [], "annotations": []}, dets)
+    orphan = copy.deepcopy(gt)
+    orphan["annotations"][3]["image_id"] = 555
+    with pytest.raises(ValueError, match=r"annotations\[3\] has image_id 555, which is not in 'images'"):
+        coco_evaluate(orphan, dets)

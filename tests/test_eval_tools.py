@@ -304,3 +304,18 @@ def test_prediction_file_errors_are_named(case_files, tmp_path):
     (tmp_path / "s.json").write_text(json.dumps({"images": [], "annotations": []}))
     with pytest.raises(ValueError, match="s.json: missing the 'categories' section"):
         load_ground_truth(tmp_path / "s.json")
+
+
+def test_empty_detections_through_every_metric(case_files, tmp_path):
+    from detector.evaluation import score_detections, write_outputs
+
+    _, gt, _ = case_files
+    report = score_detections(gt, [], backend="faster")
+    m = report.metrics
+    assert all(m[k] == 0.0 for k in COCO_METRIC_NAMES)
+    assert m["mAP_voc07"] == 0.0 and m["mAP_voc_area"] == 0.0
+    assert m["precision_50"] == 0.0 and m["recall_50"] == 0.0 and m["mean_iou"] == 0.0
+    assert report.confusion[1:, 0].sum() == sum(1 for a in gt["annotations"] if not a["iscrowd"])  # all missed
+    write_outputs(report, [], tmp_path)
+    assert json.loads((tmp_path / "detections.json").read_text()) == []
+    assert_png_not_blank(tmp_path / "pr_curves.png")

@@ -124,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         return score_file(args) if args.predictions else run_model(args)
-    except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError, ImportError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"error: {msg}", file=sys.stderr)
         return 1

@@ -86,12 +86,18 @@ def check_ground_truth(gt: Dict[str, Any], source: str = "ground truth") -> None
     for key in ("images", "annotations", "categories"):
         if key not in gt:
             raise ValueError(f"{source}: missing the '{key}' section")
+    image_ids = {img["id"] for img in gt["images"]}
+    cat_ids = {cat["id"] for cat in gt["categories"]}
     for i, ann in enumerate(gt["annotations"]):
         for key in ("image_id", "category_id", "bbox"):
             if key not in ann:
                 raise ValueError(f"{source}: annotations[{i}] has no '{key}'")
         if len(ann["bbox"]) != 4:
             raise ValueError(f"{source}: annotations[{i}].bbox must be [x, y, w, h]; got {ann['bbox']!r}")
+        if ann["image_id"] not in image_ids:
+            raise ValueError(f"{source}: annotations[{i}] has image_id {ann['image_id']!r}, which is not in 'images'")
+        if ann["category_id"] not in cat_ids:
+            raise ValueError(f"{source}: annotations[{i}] has category_id {ann['category_id']!r}, which is not in 'categories'")
 
 
 def check_results(results: Sequence[Dict[str, Any]], gt: Dict[str, Any], source: str = "detections") -> None:
