@@ -104,11 +104,13 @@ def test_overfit_one_image(tiny_cfg, one_thread):
     model = build_model(tiny_cfg).train()
     img, target = shapes_image()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=0.02, momentum=0.9, weight_decay=1e-4)
+    opt = torch.optim.SGD(params, lr=0.04, momentum=0.9, weight_decay=1e-4)
     first = None
     for it in range(150):
+        # 10 warm-up steps, then 0.04, then 0.004 for the last 40 steps to settle the boxes
+        # (min IoU 0.78..0.91 over seeds 0..4).
         for group in opt.param_groups:
-            group["lr"] = 0.02 * min(1.0, (it + 1) / 20)
+            group["lr"] = 0.04 * min(1.0, (it + 1) / 10) * (0.1 if it >= 110 else 1.0)
         loss = sum(model([img], [target]).values())
         opt.zero_grad()
         loss.backward()
@@ -251,3 +253,29 @@ def test_backbone_weights_by_torchvision_name(monkeypatch, norm):
     torch.testing.assert_close(bb.body.layer4[0].bn1.weight, reference.layer4[0].bn1.weight)
     if norm == "frozen_bn":
         assert torch.equal(bb.body.bn1.running_var, torch.full((64,), 2.0))
+
+
+@pytest.mark.gpu
+def test_cuda_train_step_amp_and_eval(tiny_cfg):
+    """CPU inputs to a CUDA model: moved by the model; float16 autocast losses finite;
+    eval detections close to the CPU model's."""
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg)
+    img, target = shapes_image()
+    device = torch.device("cuda")
+    gpu = build_model(tiny_cfg)
+    gpu.load_state_dict(model.state_dict())
+    gpu.to(device).train()
+    with torch.autocast("cuda", dtype=torch.float16):
+        losses = gpu([img, img], [target, target])
+    assert all(v.dtype == torch.float32 and torch.isfinite(v) for v in losses.values())
+    sum(losses.values()).backward()
+    model.eval()
+    gpu.load_state_dict(model.state_dict())
+    gpu.eval()
+    with torch.no_grad():
+        cpu_out = model([img])[0]
+        gpu_out = gpu([img])[0]
+    assert gpu_out["boxes"].device.type == "cuda"
+    n = min(5, len(cpu_out["scores"]))
+    torch.testing.assert_close(gpu_out["scores"][:n].cpu(), cpu_out["scores"][:n], atol=1e-3, rtol=0)

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torchvision.ops import MultiScaleRoIAlign
 
-from detector.modeling.box_coder import BoxCoder
 from detector.modeling.roi_heads import (FastRCNNPredictor, MultiLevelRoIAlign, ROIHeads, TwoMLPHead,
                                          class_specific_targets)
 

@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("stopped with an error", exc_info=True)  # the traceback goes to log.txt only
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second SIGINT/SIGTERM: stop at once, without a checkpoint
+        print("error: interrupted by a second signal; resume from the last checkpoint written", file=sys.stderr)
+        return 130
     finally:
         distributed.cleanup()
     if rank == 0:

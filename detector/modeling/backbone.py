@@ -26,10 +26,9 @@ import logging
 from collections import OrderedDict
 from typing import Callable, Dict, List, Sequence
 
-import torch
+import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
-import torch.nn.functional as F
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops import FrozenBatchNorm2d as _TVFrozenBatchNorm2d
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from ..config import Config
 from .anchors import AnchorGenerator
 from .backbone import build_resnet_fpn
