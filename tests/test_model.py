@@ -71,8 +71,8 @@ def test_mixed_sizes_and_empty_image(tiny_cfg):
     losses = model([img, small, floaty], [target, empty, tgt2])
     assert all(torch.isfinite(v) for v in losses.values())
     sum(losses.values()).backward()
-    # Only negatives: all four losses still defined (box losses zero).
-    losses = model([small], [empty])
+    # Only negatives: all four losses still defined (box losses zero); [0] boxes accepted.
+    losses = model([small], [{"boxes": torch.zeros(0), "labels": torch.zeros(0, dtype=torch.int64)}])
     assert losses["loss_rpn_box"].item() == 0.0 and losses["loss_roi_box"].item() == 0.0
     assert losses["loss_rpn_cls"] > 0 and losses["loss_roi_cls"] > 0
     model.eval()
@@ -193,7 +193,9 @@ def test_norms_and_conv_bias(norm):
     bb = build_resnet_fpn("resnet18", norm=norm, norm_eps=1e-3, gn_groups=8, freeze_at=2, fpn_channels=32)
     kinds = {type(m) for m in bb.modules()}
     if norm == "frozen_bn":
-        assert nn.BatchNorm2d not in kinds and FrozenBatchNorm2d in kinds
+        assert nn.BatchNorm2d not in kinds
+        assert isinstance(bb.body.bn1, FrozenBatchNorm2d) and isinstance(bb.body.layer4[1].bn2, FrozenBatchNorm2d)
+        assert bb.body.layer4[1].bn2.eps == 1e-3
         assert all(blk[0].bias is not None for blk in bb.fpn.inner_blocks)  # torchvision layout
     elif norm in ("bn", "syncbn"):
         assert nn.BatchNorm2d in kinds

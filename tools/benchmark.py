@@ -14,11 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
-from detector.config import load_config
-from detector.engine.benchmark import TASKS, format_summary, run_benchmark
+# As tools/train.py: OpenMP threads sleep instead of spinning while they wait (spinning
+# threads on a CPU shared with other processes make steps many times slower). Must be
+# set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from detector.config import load_config  # noqa: E402
+from detector.engine.benchmark import TASKS, format_summary, run_benchmark  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

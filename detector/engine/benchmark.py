@@ -609,6 +609,7 @@ def machine_info(device: torch.device) -> Dict[str, Any]:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "torch": torch.__version__,
         "device": str(device),
     }

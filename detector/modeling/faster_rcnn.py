@@ -35,6 +35,8 @@ def check_inputs(images: Sequence[Tensor], targets: Optional[Sequence[Dict[str, 
             if key not in target:
                 raise ValueError(f"image {i}: field '{key}' is missing from the target")
         boxes, labels = target["boxes"], target["labels"]
+        if boxes.numel() == 0:
+            boxes = boxes.reshape(0, 4)
         if boxes.dim() != 2 or boxes.shape[1] != 4:
             raise ValueError(f"image {i}: field 'boxes' must have shape [N, 4], got {list(boxes.shape)}")
         if labels.dim() != 1 or labels.shape[0] != boxes.shape[0]:
@@ -117,7 +119,7 @@ class FasterRCNN(nn.Module):
         check_inputs(images, targets, self.roi_heads.num_classes)
         batch, sizes = self.preprocess(images)
         if targets is not None:
-            targets = [{"boxes": t["boxes"].to(self.device, non_blocking=True).float(),
+            targets = [{"boxes": t["boxes"].to(self.device, non_blocking=True).float().reshape(-1, 4),
                         "labels": t["labels"].to(self.device, non_blocking=True).long()} for t in targets]
         features = self.backbone(batch)
         feature_list = list(features.values())
