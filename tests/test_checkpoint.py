@@ -94,7 +94,7 @@ def test_unsafe_or_broken_files_give_one_line_errors(tmp_path):
         def __reduce__(self):
             return (os.system, ("echo pwned",))
 
-    (tmp_path / "evil.pth").write_bytes(pickle.dumps({"x": Evil()}))
+    (tmp_path / "evil.pth").write_bytes(pickle.dumps({"x": Evil()}, protocol=2))
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(tmp_path / "evil.pth")
     assert str(tmp_path / "evil.pth") in str(e.value) and "\n" not in str(e.value)

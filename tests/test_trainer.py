@@ -72,13 +72,15 @@ class StopAt(Trainer):
 
 
 def test_exact_resume_matches_straight_run(data_root, tmp_path):
+    # Random flips and sizes: the augmentation RNG state is part of the checkpoint too.
+    aug = ["input.hflip_prob=0.5", "input.min_size_train=[56,64,72]"]
     # Straight: 6 iterations (4 batches per epoch: crosses an epoch boundary).
-    a = Trainer(make_cfg(data_root, tmp_path / "a"))
+    a = Trainer(make_cfg(data_root, tmp_path / "a", *aug))
     res = a.train()
     a.close()
     assert res.status == "finished" and res.iteration == 6
     # Interrupted at 5 with a checkpoint at 3, resumed from iteration 3 (mid-epoch).
-    cfg_b = make_cfg(data_root, tmp_path / "b", "train.checkpoint_period=3")
+    cfg_b = make_cfg(data_root, tmp_path / "b", "train.checkpoint_period=3", *aug)
     b = StopAt(cfg_b)
     b.stop_at = 5
     res = b.train()

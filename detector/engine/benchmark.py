@@ -27,7 +27,6 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import os
 import platform
 import resource
@@ -1094,6 +1093,10 @@ def run_benchmark(
     else:
         result.update(benchmark_eval(cfg, iters, warmup, gt_file, results_file, eval_images, eval_boxes))
     result["wall_s"] = round(time.perf_counter() - t0, 3)
+    try:
+        result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        pass
     result["config_resolved"] = config_to_dict(cfg)
     return result
 

@@ -273,6 +273,7 @@ class Trainer:
         self.best_value: Optional[float] = None
         self.last_metrics: Dict[str, float] = {}
         self._pending_rng: Optional[Dict[str, Any]] = None
+        self._pending_data_rng: Optional[Dict[str, Any]] = None
         self._stop_signal: Optional[int] = None
         self._nonfinite_in_row = 0
 
@@ -341,6 +342,7 @@ class Trainer:
         if rng is not None:
             per_rank = rng.get("per_rank") if isinstance(rng, dict) else None
             self._pending_rng = per_rank[self.rank] if per_rank and self.rank < len(per_rank) else None
+            self._pending_data_rng = rng.get("data") if isinstance(rng, dict) and self.world_size == 1 else None
             if per_rank and len(per_rank) != self.world_size:
                 logger.warning("resume: checkpoint written by %d ranks, now %d; RNG streams restart", len(per_rank), self.world_size)
         stored = state.get("config")
@@ -375,7 +377,7 @@ class Trainer:
             "epoch_position": self.epoch_position,
             "best_value": self.best_value,
             "best_metric": self.cfg.train.best_metric,
-            "rng": {"per_rank": per_rank},
+            "rng": {"per_rank": per_rank, "data": self._data_rng_state()},
             "config": config_to_dict(self.cfg),
             "world_size": self.world_size,
         }
@@ -478,6 +480,30 @@ class Trainer:
         gen.manual_seed(((self.cfg.train.seed * 1000003 + self.rank) * 1000003 + self.epoch) % (2**63))
         return iter(self.train_loader)
 
+    def _augmentation_pipeline(self) -> Any:
+        """The albumentations pipeline that draws the training augmentation in this
+        process (``data.num_workers: 0``), or None (workers own their RNG)."""
+        if getattr(self.train_loader, "num_workers", 1) != 0:
+            return None
+        transforms = getattr(getattr(self.train_loader, "dataset", None), "transforms", None)
+        pipe = getattr(transforms, "pipeline", None)
+        return pipe if hasattr(pipe, "random_generator") and hasattr(pipe, "py_random") else None
+
+    def _data_rng_state(self) -> Optional[Dict[str, Any]]:
+        pipe = self._augmentation_pipeline()
+        if pipe is None:
+            return None
+        return {"numpy": pipe.random_generator.bit_generator.state, "python": pipe.py_random.getstate()}
+
+    def _set_data_rng_state(self, state: Dict[str, Any]) -> None:
+        pipe = self._augmentation_pipeline()
+        if pipe is None:
+            return
+        # In place: the generators are shared with every transform of the pipeline.
+        pipe.random_generator.bit_generator.state = state["numpy"]
+        py = state["python"]
+        pipe.py_random.setstate((py[0], tuple(py[1]), py[2]))
+
     def run_step(self, images: List[torch.Tensor], targets: List[Dict[str, Any]]) -> tuple:
         """Forward, backward and (unless the loss is not finite) an optimizer step.
 
@@ -541,6 +567,9 @@ class Trainer:
                 if self._pending_rng is not None:
                     ckpt.set_rng_state(self._pending_rng)
                     self._pending_rng = None
+                if self._pending_data_rng is not None:
+                    self._set_data_rng_state(self._pending_data_rng)
+                    self._pending_data_rng = None
                 while self.iteration < self.max_iter:
                     t_data = time.perf_counter()
                     try:
