@@ -273,7 +273,7 @@ class Trainer:
         self.best_value: Optional[float] = None
         self.last_metrics: Dict[str, float] = {}
         self._pending_rng: Optional[Dict[str, Any]] = None
-        self._pending_data_rng: Optional[Dict[str, Any]] = None
+        self._pending_data_rng: Optional[List[Dict[str, Any]]] = None
         self._stop_signal: Optional[int] = None
         self._nonfinite_in_row = 0
 
@@ -489,20 +489,37 @@ class Trainer:
         pipe = getattr(transforms, "pipeline", None)
         return pipe if hasattr(pipe, "random_generator") and hasattr(pipe, "py_random") else None
 
-    def _data_rng_state(self) -> Optional[Dict[str, Any]]:
+    def _augmentation_rngs(self) -> List[Any]:
+        """The pipeline and each of its transforms, in order: each owns a numpy
+        ``random_generator`` and a ``py_random`` (albumentations seeds them separately)."""
         pipe = self._augmentation_pipeline()
-        if pipe is None:
-            return None
-        return {"numpy": pipe.random_generator.bit_generator.state, "python": pipe.py_random.getstate()}
+        out: List[Any] = []
 
-    def _set_data_rng_state(self, state: Dict[str, Any]) -> None:
-        pipe = self._augmentation_pipeline()
-        if pipe is None:
+        def walk(t: Any) -> None:
+            if hasattr(t, "random_generator") and hasattr(t, "py_random"):
+                out.append(t)
+            for child in getattr(t, "transforms", None) or []:
+                walk(child)
+
+        if pipe is not None:
+            walk(pipe)
+        return out
+
+    def _data_rng_state(self) -> Optional[List[Dict[str, Any]]]:
+        rngs = self._augmentation_rngs()
+        if not rngs:
+            return None
+        return [{"numpy": t.random_generator.bit_generator.state, "python": t.py_random.getstate()} for t in rngs]
+
+    def _set_data_rng_state(self, states: List[Dict[str, Any]]) -> None:
+        rngs = self._augmentation_rngs()
+        if len(rngs) != len(states):
+            logger.warning("resume: the augmentation pipeline changed; its random state is not restored")
             return
-        # In place: the generators are shared with every transform of the pipeline.
-        pipe.random_generator.bit_generator.state = state["numpy"]
-        py = state["python"]
-        pipe.py_random.setstate((py[0], tuple(py[1]), py[2]))
+        for t, state in zip(rngs, states):  # in place: generator objects may be shared
+            t.random_generator.bit_generator.state = state["numpy"]
+            py = state["python"]
+            t.py_random.setstate((py[0], tuple(py[1]), py[2]))
 
     def run_step(self, images: List[torch.Tensor], targets: List[Dict[str, Any]]) -> tuple:
         """Forward, backward and (unless the loss is not finite) an optimizer step.

@@ -12,11 +12,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.ops import batched_nms, box_area, clip_boxes_to_image, roi_align
+from torchvision.ops import batched_nms, box_area, clip_boxes_to_image
 
 from .box_coder import BoxCoder
 from .losses import weighted_smooth_l1
 from .matching import match_by_iou, sample_minibatch
+from .roi_align import roi_align
 
 
 class MultiLevelRoIAlign(nn.Module):

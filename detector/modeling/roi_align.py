@@ -1,0 +1,131 @@
+"""RoIAlign with torchvision's forward and a vectorised CPU backward.
+
+A drop-in for ``torchvision.ops.roi_align`` (used by ``MultiLevelRoIAlign``).
+
+torchvision's CPU backward kernel recomputes the bilinear weights for every channel in
+scalar, single-threaded code; it is the second most expensive operator of a training
+step on CPU (16-21 % of the demo's step, docs/performance.md). The weights depend only
+on the boxes, so the backward is one sparse-dense product,
+
+    grad_input[N*H*W, C] = S[N*H*W, R*PH*PW] @ grad_output[R*PH*PW, C],
+
+where column ``(r, ph, pw)`` of ``S`` holds the ``4 * sampling_ratio**2`` bilinear weights
+(divided by ``sampling_ratio**2``) of that bin's sampling points, computed exactly as
+torchvision's ``bilinear_interpolate_gradient``: a point with ``y < -1``, ``y > H``,
+``x < -1`` or ``x > W`` contributes nothing; otherwise it is clamped to ``>= 0``, and a
+point at or past the last row/column uses that row/column for both corners.
+
+The forward is torchvision's op itself (outputs bit-identical). CUDA tensors, dtypes
+other than float32/float64 (e.g. under bfloat16 autocast) and ``sampling_ratio <= 0``
+(adaptive grid, a different count per box) use torchvision's op for both passes.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple, Union
+
+import torch
+import torchvision  # noqa: F401  (registers torch.ops.torchvision)
+from torch import Tensor
+from torchvision.ops import roi_align as tv_roi_align
+
+
+def sampling_matrix(
+    rois: Tensor, spatial_scale: float, feature_shape: Tuple[int, int, int, int],
+    pooled: Tuple[int, int], sampling_ratio: int, aligned: bool,
+) -> Tensor:
+    """The RoIAlign weights as a sparse COO matrix ``[N*H*W, R*PH*PW]``.
+
+    Args:
+        rois: ``[R, 5]`` float, ``(batch_index, x1, y1, x2, y2)`` in image pixels.
+        spatial_scale: feature-map size / image size (1 / stride).
+        feature_shape: ``(N, C, H, W)`` of the feature map.
+        pooled: ``(PH, PW)``.
+        sampling_ratio: sampling points per bin side (> 0).
+        aligned: shift boxes by -0.5 px (torchvision's ``aligned=True``).
+    """
+    n, _, height, width = feature_shape
+    ph_n, pw_n = pooled
+    sr = sampling_ratio
+    dtype, device = rois.dtype, rois.device
+    num = rois.shape[0]
+    offset = 0.5 if aligned else 0.0
+    batch = rois[:, 0].long()
+    x1 = rois[:, 1] * spatial_scale - offset
+    y1 = rois[:, 2] * spatial_scale - offset
+    roi_w = rois[:, 3] * spatial_scale - offset - x1
+    roi_h = rois[:, 4] * spatial_scale - offset - y1
+    if not aligned:  # torchvision forces malformed boxes to 1x1
+        roi_w = roi_w.clamp(min=1.0)
+        roi_h = roi_h.clamp(min=1.0)
+
+    def axis(start: Tensor, roi_size: Tensor, bins: int, size: int) -> Tuple[Tensor, Tensor]:
+        """Corner indices [R, bins, sr, 2] (low, high) and their weights along one axis."""
+        bin_size = roi_size / bins
+        p = torch.arange(bins, dtype=dtype, device=device)
+        i = torch.arange(sr, dtype=dtype, device=device)
+        # Same operation order as torchvision: start + p * bin + (i + .5) * bin / sr.
+        c = (start[:, None, None] + p[None, :, None] * bin_size[:, None, None]
+             + (i[None, None, :] + 0.5) * bin_size[:, None, None] / sr)
+        inside = (c >= -1.0) & (c <= size)
+        c = c.clamp(min=0.0)
+        low = c.long()
+        last = low >= size - 1
+        low = torch.where(last, size - 1, low)
+        high = torch.where(last, size - 1, low + 1)
+        c = torch.where(last, low.to(dtype), c)
+        frac = c - low.to(dtype)
+        index = torch.stack((low, high), dim=-1)
+        weight = torch.stack((1.0 - frac, frac), dim=-1) * inside[..., None]
+        return index, weight
+
+    yi, wy = axis(y1, roi_h, ph_n, height)
+    xi, wx = axis(x1, roi_w, pw_n, width)
+    # Broadcast to [R, PH, PW, sr_y, sr_x, 2 (y corner), 2 (x corner)].
+    flat = (batch.view(-1, 1, 1, 1, 1, 1, 1) * (height * width)
+            + yi[:, :, None, :, None, :, None] * width + xi[:, None, :, None, :, None, :])
+    weight = wy[:, :, None, :, None, :, None] * wx[:, None, :, None, :, None, :] / float(sr * sr)
+    column = torch.arange(num * ph_n * pw_n, device=device).view(num, ph_n, pw_n, 1, 1, 1, 1).expand_as(flat)
+    indices = torch.stack((flat.reshape(-1), column.reshape(-1)))
+    return torch.sparse_coo_tensor(indices, weight.reshape(-1), (n * height * width, num * ph_n * pw_n),
+                                   check_invariants=False)
+
+
+class _RoIAlignSparseBackward(torch.autograd.Function):
+    """torchvision's forward; backward as ``S @ grad_output`` (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, features: Tensor, rois: Tensor, spatial_scale: float, pooled_h: int, pooled_w: int,
+                sampling_ratio: int, aligned: bool) -> Tensor:
+        ctx.save_for_backward(rois)
+        ctx.shape = tuple(features.shape)
+        ctx.params = (spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned)
+        return torch.ops.torchvision.roi_align(features, rois, spatial_scale, pooled_h, pooled_w,
+                                               sampling_ratio, aligned)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        (rois,) = ctx.saved_tensors
+        n, c, h, w = ctx.shape
+        spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned = ctx.params
+        s = sampling_matrix(rois, spatial_scale, ctx.shape, (pooled_h, pooled_w), sampling_ratio, aligned)
+        g = grad_output.to(rois.dtype).permute(0, 2, 3, 1).reshape(-1, c)  # [R*PH*PW, C]
+        grad = torch.sparse.mm(s, g).view(n, h, w, c).permute(0, 3, 1, 2)  # NCHW view of NHWC memory
+        return grad.to(grad_output.dtype), None, None, None, None, None, None
+
+
+def roi_align(input: Tensor, boxes: Tensor, output_size: Union[int, Tuple[int, int]],
+              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
+    """``torchvision.ops.roi_align`` (same arguments; ``boxes`` as a ``[K, 5]`` tensor)
+    with the sparse backward on CPU for float32/float64 features when
+    ``sampling_ratio > 0`` and a gradient is needed.
+
+    Returns ``[K, C, PH, PW]``."""
+    if (input.device.type != "cpu" or sampling_ratio <= 0 or not isinstance(boxes, Tensor)
+            or input.dtype not in (torch.float32, torch.float64)
+            or not (torch.is_grad_enabled() and input.requires_grad)):
+        return tv_roi_align(input, boxes, output_size, spatial_scale, sampling_ratio, aligned)
+    ph, pw = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
+    rois = boxes.to(input.dtype) if boxes.dtype != input.dtype else boxes
+    return _RoIAlignSparseBackward.apply(input, rois, float(spatial_scale), int(ph), int(pw),
+                                         int(sampling_ratio), bool(aligned))

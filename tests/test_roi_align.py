@@ -1,0 +1,61 @@
+"""detector/modeling/roi_align.py: the sparse CPU backward against torchvision's
+backward, gradcheck, and the fallbacks to torchvision's op."""
+
+import pytest
+import torch
+from torchvision.ops import roi_align as tv_roi_align
+
+from detector.modeling.roi_align import roi_align
+
+
+def _case(n=2, c=8, h=20, w=24, r=40, scale=0.25, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feat = torch.randn(n, c, h, w, generator=g, requires_grad=True)
+    size = torch.tensor([w / scale, h / scale])
+    xy = torch.rand(r, 2, generator=g) * size * 1.1 - 6  # some boxes cross the border
+    wh = torch.exp(torch.rand(r, 2, generator=g) * 4) * 2
+    rois = torch.cat([torch.randint(0, n, (r, 1), generator=g).float(), xy, xy + wh], 1)
+    rois[0, 1:] = torch.tensor([-40.0, -40.0, -20.0, -20.0])  # fully outside
+    rois[1, 1:] = torch.tensor([10.0, 10.0, 10.2, 10.1])  # smaller than a pixel
+    rois[2, 1:] = torch.tensor([0.0, 0.0, w / scale, h / scale])  # the whole map
+    return feat, rois
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sampling_ratio", [1, 2, 3])
+def test_matches_torchvision(aligned, sampling_ratio):
+    feat, rois = _case()
+    out = roi_align(feat, rois, (7, 6), 0.25, sampling_ratio, aligned)
+    ref = tv_roi_align(feat, rois, (7, 6), 0.25, sampling_ratio, aligned)
+    assert torch.equal(out, ref)  # the forward is torchvision's
+    grad = torch.randn_like(out)
+    (g_out,) = torch.autograd.grad(out, feat, grad)
+    (g_ref,) = torch.autograd.grad(ref, feat, grad)
+    torch.testing.assert_close(g_out, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_gradcheck_float64():
+    feat, rois = _case(n=1, c=2, h=6, w=7, r=5, scale=0.5)
+    feat = feat.detach().double().requires_grad_()
+    rois = rois.double()
+    rois[:, 0] = 0
+    assert torch.autograd.gradcheck(lambda f: roi_align(f, rois, 3, 0.5, 2, False), (feat,))
+
+
+def test_falls_back_without_grad_and_for_adaptive_sampling():
+    feat, rois = _case()
+    with torch.no_grad():
+        assert torch.equal(roi_align(feat, rois, 7, 0.25, 2), tv_roi_align(feat, rois, 7, 0.25, 2))
+    out = roi_align(feat, rois, 7, 0.25, 0)  # adaptive grid: torchvision's op
+    assert out.grad_fn.name() != "_RoIAlignSparseBackwardBackward"
+
+
+def test_under_bfloat16_autocast_matches_torchvision():
+    feat, rois = _case()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = roi_align(feat, rois, 7, 0.25, 2)
+        ref = tv_roi_align(feat, rois, 7, 0.25, 2)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
+    (g_out,) = torch.autograd.grad(out.float().sum(), feat)
+    (g_ref,) = torch.autograd.grad(ref.float().sum(), feat)
+    torch.testing.assert_close(g_out, g_ref, rtol=1e-5, atol=1e-6)
