@@ -5,6 +5,10 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
+# OpenMP threads that sleep instead of spin while waiting: on a small, shared CPU the
+# spinning default makes two-thread torch many times slower (docs/training.md).
+export OMP_WAIT_POLICY ?= PASSIVE
+
 .PHONY: setup test test-fast demo clean
 
 $(STAMP): pyproject.toml
