@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
 
 CAT_IDS = (1, 3, 7, 8, 12)  # non-contiguous, like COCO's
 
@@ -46,3 +51,17 @@ def make_coco_case(num_images: int = 24, seed: int = 0) -> Tuple[Dict[str, Any],
                              "score": float(rng.random())})
     cats = [{"id": c, "name": f"class_{c}"} for c in CAT_IDS]
     return {"images": images, "annotations": anns, "categories": cats}, dets
+
+
+def pycocotools_stats(gt: Dict[str, Any], dets: List[Dict[str, Any]]) -> np.ndarray:
+    """The 12 numbers of ``COCOeval(gt, dets, "bbox").summarize()``, pycocotools called
+    directly (the reference the project's evaluator is compared with); inputs unchanged."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_gt = COCO()
+        coco_gt.dataset = copy.deepcopy(gt)
+        coco_gt.createIndex()
+        ev = COCOeval(coco_gt, coco_gt.loadRes(copy.deepcopy(dets)), "bbox")
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return np.asarray(ev.stats)[:12]

@@ -3,21 +3,17 @@ numbers published in that folder's README; VOC AP from VOC XML."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import csv
 import importlib.util
-import io
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
-from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
 
 from detector.evaluation import COCO_METRIC_NAMES
+from eval_fixtures import pycocotools_stats
 
 pytestmark = pytest.mark.realdata
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,17 +31,6 @@ def eval_main(argv):
     spec.loader.exec_module(module)
     return module.main(argv)
 
-
-def pycocotools_stats(gt, dets):
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco_gt = COCO()
-        coco_gt.dataset = copy.deepcopy(gt)
-        coco_gt.createIndex()
-        ev = COCOeval(coco_gt, coco_gt.loadRes(copy.deepcopy(dets)), "bbox")
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    return np.asarray(ev.stats)[:12]
 
 
 def printed_numbers(text):

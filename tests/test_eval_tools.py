@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import csv
 import importlib.util
-import io
 import json
 import subprocess
 import sys
@@ -16,12 +13,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
 
 from detector.evaluation import COCO_METRIC_NAMES
 from detector.evaluation.plots import plot_confusion_matrix, plot_pr_curves
-from eval_fixtures import make_coco_case
+from eval_fixtures import make_coco_case, pycocotools_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,17 +27,6 @@ def load_tool(name):
     spec.loader.exec_module(module)
     return module
 
-
-def reference_stats(gt, dets):
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco_gt = COCO()
-        coco_gt.dataset = copy.deepcopy(gt)
-        coco_gt.createIndex()
-        ev = COCOeval(coco_gt, coco_gt.loadRes(copy.deepcopy(dets)), "bbox")
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    return np.asarray(ev.stats)[:12]
 
 
 def printed_numbers(text):
@@ -85,7 +69,7 @@ def test_file_mode_matches_pycocotools(case_files, tmp_path, capsys, backend):
     )
     assert rc == 0
     text = capsys.readouterr().out
-    ref = reference_stats(gt, dets)
+    ref = pycocotools_stats(gt, dets)
     # The table prints 10 decimals; metrics.json holds the full floats.
     np.testing.assert_allclose(printed_numbers(text), ref, atol=1e-9)
     metrics = json.loads((out / "metrics.json").read_text())
@@ -131,7 +115,7 @@ def test_predictions_as_coco_dict_are_matched_by_name(case_files, tmp_path, caps
     }
     (tmp_path / "dict.json").write_text(json.dumps(other))
     assert load_tool("eval").main(["--predictions", str(tmp_path / "dict.json"), "--annotations", str(d / "gt.json")]) == 0
-    np.testing.assert_allclose(printed_numbers(capsys.readouterr().out), reference_stats(gt, dets), atol=1e-9)
+    np.testing.assert_allclose(printed_numbers(capsys.readouterr().out), pycocotools_stats(gt, dets), atol=1e-9)
 
 
 def test_plots_are_valid_pngs(tmp_path):

@@ -53,23 +53,13 @@ Batch = Tuple[List[torch.Tensor], List[Dict[str, Any]]]
 # --------------------------------------------------------------------------- memory
 
 
-def _read_vmhwm_bytes() -> Optional[int]:
-    """Peak resident set size of this process since the last reset, from /proc."""
+def _read_proc_status_bytes(field: str) -> Optional[int]:
+    """A memory field of /proc/self/status (``VmHWM``: peak resident set since the
+    last reset; ``VmRSS``: current resident set), in bytes; None where unavailable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _read_rss_bytes() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -94,7 +84,7 @@ def current_memory_bytes(device: torch.device) -> int:
     """Memory in use now: CUDA allocated bytes, or the resident set size on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
-    rss = _read_rss_bytes()
+    rss = _read_proc_status_bytes("VmRSS")
     return int(rss) if rss is not None else 0
 
 
@@ -103,7 +93,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     or the CPU peak RSS in bytes (``VmHWM``; ``ru_maxrss`` where /proc is absent)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    hwm = _read_vmhwm_bytes()
+    hwm = _read_proc_status_bytes("VmHWM")
     if hwm is not None:
         return hwm
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
