@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 import subprocess
 import sys

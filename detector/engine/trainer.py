@@ -40,7 +40,6 @@ from detector.engine.distributed import (
     DistInfo,
     barrier,
     init_distributed,
-    reduce_dict,
     seed_everything,
 )
 from detector.engine.log import (
