@@ -47,7 +47,7 @@ def test_checkpoint_of_other_class_count_keeps_fresh_predictor(tmp_path, caplog)
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml",
                       _overrides(data, tmp_path / "ft") + [f"model.weights={ckpt}", "model.num_classes=3"])
-    with caplog.at_level(logging.INFO, logger="detector.engine.trainer"):
+    with caplog.at_level(logging.INFO, logger="detector.engine"):
         t = Trainer(cfg)
     state = t.model_without_ddp.state_dict()
     body = [k for k in state if k.startswith(("backbone.", "rpn."))]

@@ -295,3 +295,69 @@ def prune_checkpoints(directory: "str | os.PathLike", keep_last: int) -> _List[_
     for p in doomed:
         p.unlink(missing_ok=True)
     return doomed
+
+
+# --------------------------------------------------------------------------- initial weights
+
+
+class WeightsError(RuntimeError):
+    """Initial weights (``model.weights`` / ``--weights``) that cannot be loaded."""
+
+
+def _looks_like_torchvision_weights(source: str) -> bool:
+    head, dot, tail = source.partition(".")
+    return bool(dot) and head.endswith("_Weights") and tail.isidentifier() and "/" not in source
+
+
+def load_initial_weights(model: nn.Module, source: str) -> _Any:
+    """Load ``model.weights``: a local file (our training checkpoint, whose ``model``
+    entry is used, or a plain state dict) or a torchvision weights name such as
+    ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` (downloaded to ``$TORCH_HOME`` once).
+
+    Tensors whose shape does not fit (another class count) are skipped by
+    ``load_weights`` and reported. Returns its ``LoadReport``.
+
+    Raises:
+        WeightsError: a missing file, an unknown torchvision name, or a download
+            that failed (offline); a one-line message.
+    """
+    path = _Path(source).expanduser()
+    if path.is_file():
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise WeightsError(f"model.weights: cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        if isinstance(state, dict) and isinstance(state.get("model"), dict):
+            state = state["model"]
+        what = str(path)
+    elif _looks_like_torchvision_weights(source):
+        from torchvision.models import get_weight
+
+        try:
+            weights = get_weight(source)
+        except (ValueError, KeyError, AttributeError):
+            raise WeightsError(f"model.weights: unknown torchvision weights name {source!r}") from None
+        try:
+            state = weights.get_state_dict(progress=False, check_hash=True)
+        except Exception as exc:  # noqa: BLE001 - URLError, OSError, RuntimeError (hash)
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise WeightsError(
+                f"model.weights: cannot download torchvision weights {source!r} from {weights.url} "
+                f"({type(exc).__name__}: {reason}); when offline, put the file in "
+                f"{torch.hub.get_dir()}/checkpoints/ or pass a local path"
+            ) from None
+        what = f"torchvision {source}"
+    else:
+        raise WeightsError(
+            f"model.weights: {source!r} is neither an existing file nor a torchvision weights name "
+            "like 'FasterRCNN_ResNet50_FPN_Weights.COCO_V1'"
+        )
+    try:
+        report = load_weights(model, state)
+    except ValueError as exc:
+        raise WeightsError(f"model.weights: {what}: {exc}") from None
+    logger.info(
+        "initial weights from %s: %d tensors loaded; skipped (fresh init): %s; missing: %s; unexpected: %s",
+        what, len(report.loaded), report.skipped or "none", report.missing or "none", report.unexpected or "none",
+    )
+    return report

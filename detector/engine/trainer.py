@@ -36,6 +36,7 @@ from torch import nn
 
 from detector.config import Config, config_from_dict, config_to_dict, config_to_yaml, save_config
 from detector.engine import checkpoint as ckpt
+from detector.engine.checkpoint import WeightsError, load_initial_weights  # noqa: F401 (public here too)
 from detector.engine.distributed import (
     DistInfo,
     barrier,
@@ -60,10 +61,6 @@ class NonFiniteLossError(RuntimeError):
     """``train.max_nonfinite_steps`` non-finite losses in a row."""
 
 
-class WeightsError(RuntimeError):
-    """Initial weights (``model.weights`` / ``--weights``) that cannot be loaded."""
-
-
 @dataclass
 class TrainResult:
     """What ``Trainer.train`` returns. ``status``: ``finished`` or ``interrupted``."""
@@ -75,65 +72,6 @@ class TrainResult:
 
 
 # --------------------------------------------------------------------------- model set-up
-
-
-def _looks_like_torchvision_weights(source: str) -> bool:
-    head, dot, tail = source.partition(".")
-    return bool(dot) and head.endswith("_Weights") and tail.isidentifier() and "/" not in source
-
-
-def load_initial_weights(model: nn.Module, source: str) -> Any:
-    """Load ``model.weights``: a local file (our training checkpoint, whose ``model``
-    entry is used, or a plain state dict) or a torchvision weights name such as
-    ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` (downloaded to ``$TORCH_HOME`` once).
-
-    Tensors whose shape does not fit (another class count) are skipped by
-    ``load_weights`` and reported. Returns its ``LoadReport``.
-
-    Raises:
-        WeightsError: a missing file, an unknown torchvision name, or a download
-            that failed (offline); a one-line message.
-    """
-    path = Path(source).expanduser()
-    if path.is_file():
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001
-            raise WeightsError(f"model.weights: cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-        if isinstance(state, dict) and isinstance(state.get("model"), dict):
-            state = state["model"]
-        what = str(path)
-    elif _looks_like_torchvision_weights(source):
-        from torchvision.models import get_weight
-
-        try:
-            weights = get_weight(source)
-        except (ValueError, KeyError, AttributeError):
-            raise WeightsError(f"model.weights: unknown torchvision weights name {source!r}") from None
-        try:
-            state = weights.get_state_dict(progress=False, check_hash=True)
-        except Exception as exc:  # noqa: BLE001 - URLError, OSError, RuntimeError (hash)
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise WeightsError(
-                f"model.weights: cannot download torchvision weights {source!r} from {weights.url} "
-                f"({type(exc).__name__}: {reason}); when offline, put the file in "
-                f"{torch.hub.get_dir()}/checkpoints/ or pass a local path"
-            ) from None
-        what = f"torchvision {source}"
-    else:
-        raise WeightsError(
-            f"model.weights: {source!r} is neither an existing file nor a torchvision weights name "
-            "like 'FasterRCNN_ResNet50_FPN_Weights.COCO_V1'"
-        )
-    try:
-        report = ckpt.load_weights(model, state)
-    except ValueError as exc:
-        raise WeightsError(f"model.weights: {what}: {exc}") from None
-    logger.info(
-        "initial weights from %s: %d tensors loaded; skipped (fresh init): %s; missing: %s; unexpected: %s",
-        what, len(report.loaded), report.skipped or "none", report.missing or "none", report.unexpected or "none",
-    )
-    return report
 
 
 def _revert_sync_batchnorm(module: nn.Module) -> nn.Module:

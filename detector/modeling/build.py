@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 from ..config import Config
 from .anchors import AnchorGenerator
@@ -90,16 +89,8 @@ def build_model(cfg: Config) -> FasterRCNN:
 
 
 def _load_model_weights(model: FasterRCNN, source: str) -> None:
-    """Load ``model.weights``: a local checkpoint, or a torchvision weights name."""
-    from ..engine.checkpoint import load_weights  # engine depends on modeling, not the reverse
+    """Load ``model.weights``: a local checkpoint or state dict, or a torchvision weights
+    name; a failure is a one-line ``WeightsError`` (see ``load_initial_weights``)."""
+    from ..engine.checkpoint import load_initial_weights  # engine depends on modeling, not the reverse
 
-    if os.path.exists(source):
-        report = load_weights(model, source)
-    elif "_Weights." in source:
-        import torchvision
-
-        state = torchvision.models.get_weight(source).get_state_dict(progress=True)
-        report = load_weights(model, state)
-    else:
-        raise ValueError(f"model.weights: '{source}' is neither a file nor a torchvision weights name")
-    logger.info("model.weights %s: %s", source, report.summary())
+    load_initial_weights(model, source)
