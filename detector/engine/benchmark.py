@@ -34,7 +34,7 @@ import statistics
 import tempfile
 import time
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -705,6 +705,23 @@ def benchmark_model(
     return out
 
 
+def cycle_epochs(loader: Iterable[Batch]) -> Iterator[Batch]:
+    """The loader's batches epoch after epoch, calling ``batch_sampler.set_epoch`` before
+    each epoch as training does. Raises ValueError if an epoch gives no batch."""
+    epoch = 0
+    while True:
+        sampler = getattr(loader, "batch_sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        count = 0
+        for batch in loader:
+            count += 1
+            yield batch
+        if count == 0:
+            raise ValueError("the data loader gave no batches (is the split empty?)")
+        epoch += 1
+
+
 def benchmark_train_loader(cfg: Config, iters: int, warmup: int) -> Dict[str, Any]:
     """The training step fed by the real loader (workers, pinned memory): time per
     iteration including the wait for the next batch, and that wait alone."""
@@ -718,23 +735,11 @@ def benchmark_train_loader(cfg: Config, iters: int, warmup: int) -> Dict[str, An
     tmp = tempfile.TemporaryDirectory(prefix="detector_bench_")
     step, _ = make_trainer_step(build_ours(cfg, device), cfg, device, tmp.name)
     waits: List[float] = []
-    state = {"epoch": 0, "it": None}
-
-    def next_batch() -> Batch:
-        while True:
-            if state["it"] is None:
-                if hasattr(loader.batch_sampler, "set_epoch"):
-                    loader.batch_sampler.set_epoch(state["epoch"])
-                state["it"] = iter(loader)
-            try:
-                return next(state["it"])
-            except StopIteration:
-                state["epoch"] += 1
-                state["it"] = None
+    batches = cycle_epochs(loader)
 
     def fn(i: int) -> int:
         t0 = time.perf_counter()
-        batch = next_batch()
+        batch = next(batches)
         if i >= warmup:
             waits.append(time.perf_counter() - t0)
         step(batch)
@@ -746,7 +751,7 @@ def benchmark_train_loader(cfg: Config, iters: int, warmup: int) -> Dict[str, An
     summary["data_wait_median_s"] = float(np.median(waits)) if waits else 0.0
     summary["data_wait_max_s"] = float(np.max(waits)) if waits else 0.0
     summary["num_workers"] = cfg.data.num_workers
-    state["it"] = None
+    batches.close()  # shuts the loader's workers down
     tmp.cleanup()
     return {"runs": {"ours_loader": summary}}
 
@@ -760,27 +765,18 @@ def benchmark_data(cfg: Config, iters: int, warmup: int) -> Dict[str, Any]:
     device = torch.device("cpu")
     dataset = build_dataset(cfg, "train", is_train=True)
     loader = build_train_loader(cfg, dataset, 0, 1)
-    state = {"epoch": 0, "it": None}
+    batches = cycle_epochs(loader)
 
     def fn(i: int) -> int:
-        while True:
-            if state["it"] is None:
-                if hasattr(loader.batch_sampler, "set_epoch"):
-                    loader.batch_sampler.set_epoch(state["epoch"])
-                state["it"] = iter(loader)
-            try:
-                images, _ = next(state["it"])
-                return len(images)
-            except StopIteration:
-                state["epoch"] += 1
-                state["it"] = None
+        images, _ = next(batches)
+        return len(images)
 
     runner = Runner("loader", fn, device)
     run_interleaved([runner], iters, warmup)
     summary = runner.summary()
     summary["num_workers"] = cfg.data.num_workers
     summary["dataset_len"] = len(dataset)
-    state["it"] = None
+    batches.close()
     return {"runs": {"loader": summary}, "images_per_iter": summary["images_per_iter"]}
 
 
