@@ -67,6 +67,12 @@ class ModelConfig:
     pixel_mean: List[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     pixel_std: List[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     size_divisibility: int = 32
+    # Fixed batch canvases [[H, W], ...] in pixels (each a multiple of size_divisibility):
+    # a batch is padded to the smallest canvas that holds it, so the static part of the
+    # network (backbone, FPN, RPN head) sees a few shapes only (compiled or CUDA-graph
+    # captured code then pays). [] pads each batch to its own size. A batch larger than
+    # every canvas falls back to its own size. 1x recipe: [[800, 1344], [1344, 800]].
+    canvas_sizes: List[List[int]] = field(default_factory=list)
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
 
 
@@ -377,6 +383,13 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("config keys 'model.pixel_mean' and 'model.pixel_std' need 3 values (RGB)")
     if any(s <= 0 for s in cfg.model.pixel_std):
         raise ConfigError(f"config key 'model.pixel_std' must be positive, got {cfg.model.pixel_std}")
+    d = cfg.model.size_divisibility
+    for canvas in cfg.model.canvas_sizes:
+        if len(canvas) != 2 or any(v <= 0 or v % d for v in canvas):
+            raise ConfigError(
+                f"config key 'model.canvas_sizes' takes [height, width] pairs that are positive multiples of "
+                f"model.size_divisibility ({d}), got {canvas}"
+            )
     if not cfg.model.return_stages or any(s not in (1, 2, 3, 4) for s in cfg.model.return_stages):
         raise ConfigError(f"config key 'model.return_stages' takes stages from 1..4, got {cfg.model.return_stages}")
     n_levels = len(cfg.model.return_stages) + 1  # + the max-pool level

@@ -82,7 +82,8 @@ def build_model(cfg: Config) -> FasterRCNN:
         detections_per_img=h.detections_per_img,
         min_box_size=h.min_box_size,
     )
-    model = FasterRCNN(backbone, rpn, roi_heads, m.pixel_mean, m.pixel_std, m.size_divisibility)
+    model = FasterRCNN(backbone, rpn, roi_heads, m.pixel_mean, m.pixel_std, m.size_divisibility,
+                       canvas_sizes=m.canvas_sizes)
     if m.weights:
         _load_model_weights(model, m.weights)
     return model

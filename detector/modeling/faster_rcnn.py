@@ -58,6 +58,25 @@ def check_inputs(images: Sequence[Tensor], targets: Optional[Sequence[Dict[str, 
             raise ValueError(f"image {i}: field 'labels': label {int(labels[j])} at index {j} is outside 1..{num_classes}")
 
 
+def batch_shape(sizes: Sequence[Tuple[int, int]], size_divisibility: int,
+                canvas_sizes: Sequence[Sequence[int]] = ()) -> Tuple[int, int]:
+    """The padded ``(H, W)`` of a batch of images of ``sizes`` ``[(H_i, W_i), ...]`` pixels.
+
+    Without canvases: the largest height and width, each rounded up to a multiple of
+    ``size_divisibility``. With ``canvas_sizes`` ``[[H, W], ...]``: the smallest canvas
+    (by area, then in the given order) that holds that padded shape, or the padded shape
+    itself when no canvas does.
+    """
+    d = size_divisibility
+    height = int(math.ceil(max(s[0] for s in sizes) / d) * d)
+    width = int(math.ceil(max(s[1] for s in sizes) / d) * d)
+    fitting = [(int(h) * int(w), i) for i, (h, w) in enumerate(canvas_sizes) if h >= height and w >= width]
+    if fitting:
+        _, best = min(fitting)
+        return int(canvas_sizes[best][0]), int(canvas_sizes[best][1])
+    return height, width
+
+
 class FasterRCNN(nn.Module):
     """Faster R-CNN with an FPN backbone.
 
@@ -76,11 +95,16 @@ class FasterRCNN(nn.Module):
         backbone: ``ResNetFPN``; rpn: ``RegionProposalNetwork``; roi_heads: ``ROIHeads``.
         pixel_mean, pixel_std: per channel, 0..1 scale.
         size_divisibility: pad the batch's height and width to a multiple of this.
+        canvas_sizes: fixed batch shapes ``[[H, W], ...]``; a batch is padded to the
+            smallest that holds it (see ``batch_shape``), so the convolutional part sees
+            few distinct shapes. Detections and losses keep the real image sizes; only
+            the zero padding around the images grows.
     """
 
     def __init__(self, backbone: ResNetFPN, rpn: RegionProposalNetwork, roi_heads: ROIHeads,
                  pixel_mean: Sequence[float] = (0.485, 0.456, 0.406),
-                 pixel_std: Sequence[float] = (0.229, 0.224, 0.225), size_divisibility: int = 32) -> None:
+                 pixel_std: Sequence[float] = (0.229, 0.224, 0.225), size_divisibility: int = 32,
+                 canvas_sizes: Sequence[Sequence[int]] = ()) -> None:
         super().__init__()
         self.backbone = backbone
         self.rpn = rpn
@@ -88,6 +112,7 @@ class FasterRCNN(nn.Module):
         self.register_buffer("pixel_mean", torch.tensor(pixel_mean, dtype=torch.float32).view(3, 1, 1))
         self.register_buffer("pixel_std", torch.tensor(pixel_std, dtype=torch.float32).view(3, 1, 1))
         self.size_divisibility = size_divisibility
+        self.canvas_sizes = [tuple(int(v) for v in c) for c in canvas_sizes]
 
     @property
     def device(self) -> torch.device:
@@ -97,9 +122,7 @@ class FasterRCNN(nn.Module):
         """List of ``[3, H_i, W_i]`` -> padded normalised ``[N, 3, H, W]`` float32 and the
         ``(H_i, W_i)`` sizes."""
         sizes = [(int(im.shape[1]), int(im.shape[2])) for im in images]
-        d = self.size_divisibility
-        height = int(math.ceil(max(s[0] for s in sizes) / d) * d)
-        width = int(math.ceil(max(s[1] for s in sizes) / d) * d)
+        height, width = batch_shape(sizes, self.size_divisibility, self.canvas_sizes)
         batch = torch.zeros((len(images), 3, height, width), dtype=torch.float32, device=self.device)
         for i, im in enumerate(images):
             im = im.to(self.device, non_blocking=True)
