@@ -147,9 +147,43 @@ def test_worker_batches_arrive_as_plain_lists(shapes_cfg):
     with_worker = list(loader)
     plain = list(build_train_loader(cfg, ds, num_workers=0))
     assert isinstance(with_worker[0][0], list) and isinstance(with_worker[0][1][0], dict)
-    assert len(with_worker) == len(plain)
-    # Same sampler order; the augmentation RNG differs (worker seed vs main seed), ids do not.
-    assert [[t["image_id"] for t in b[1]] for b in with_worker] == [[t["image_id"] for t in b[1]] for b in plain]
+    _assert_same_batches(with_worker, plain)
+
+
+def _samples_by_image(batches):
+    """{image_id: (image, target)} of one epoch in which no image repeats."""
+    out = {t["image_id"]: (img, t) for imgs, tgts in batches for img, t in zip(imgs, tgts)}
+    assert len(out) == sum(len(imgs) for imgs, _ in batches)
+    return out
+
+
+def test_augmentation_is_a_function_of_seed_epoch_and_sample(shapes_cfg):
+    """The same (seed, epoch, sample) gives the same augmented sample with 0 or 2 workers
+    (persistent, over two epochs), on rank 0 of 1 or the owning rank of 2, and after a
+    restart mid-epoch; another epoch draws anew."""
+    cfg = shapes_cfg("data.aspect_ratio_grouping=false", "input.min_size_train=[40,56,72,88]")
+    ds = build_dataset(cfg, "train", True)
+    plain = build_train_loader(cfg, ds, num_workers=0)
+    workers = build_train_loader(cfg, ds, num_workers=2)
+    assert workers.persistent_workers
+    epochs = [_epoch(plain, e) for e in (0, 1)]
+    for e in (0, 1):
+        _assert_same_batches(_epoch(workers, e), epochs[e])
+    # Two ranks: every sample a rank gets equals the one-rank sample of that image.
+    single = _samples_by_image(epochs[1])
+    for rank in range(2):
+        shard = _samples_by_image(_epoch(build_train_loader(cfg, ds, rank=rank, world_size=2, num_workers=0), 1))
+        for image_id, (img, t) in shard.items():
+            _assert_same_batches([([img], [t])], [([single[image_id][0]], [single[image_id][1]])])
+    # A fresh loader (as after a restart) started 3 batches into epoch 1.
+    restarted = build_train_loader(cfg, ds, num_workers=2)
+    restarted.batch_sampler.set_epoch(1)
+    restarted.batch_sampler.set_start(3)
+    _assert_same_batches(list(restarted), epochs[1][3:])
+    # Epoch 0 and epoch 1 draw different sizes or flips for the same images.
+    first = _samples_by_image(epochs[0])
+    differ = [i for i in first if not torch.equal(first[i][0], single[i][0])]
+    assert len(differ) >= len(first) // 3
 
 
 @pytest.mark.gpu

@@ -13,10 +13,16 @@ from detector.data.samplers import (
     GroupedBatchSampler,
     InferenceSampler,
     RepeatFactorSampler,
+    SampleKey,
     TrainingSampler,
     aspect_ratio_group_ids,
     repeat_factors_from_labels,
 )
+
+
+def indices(sampler):
+    """The data-set indices of one pass of a training sampler."""
+    return [key.index for key in sampler]
 
 
 def test_grouped_batches_are_one_group_and_count_is_fixed():
@@ -33,7 +39,7 @@ def test_grouped_batches_are_one_group_and_count_is_fixed():
                 assert len(batches) == len(bs) == len(sampler) // 4
                 for b in batches:
                     assert len(b) == 4
-                    assert len({group_ids[i] for i in b}) == 1
+                    assert len({group_ids[k.index] for k in b}) == 1
             lens.append(len(bs))
         assert len(set(lens)) == 1  # the same number of batches on every rank
 
@@ -50,7 +56,7 @@ def test_rank_shards_disjoint_and_cover_each_epoch():
         for rank in range(world):
             s = TrainingSampler(n, seed=5, rank=rank, world_size=world)
             s.set_epoch(epoch)
-            shards.append(list(s))
+            shards.append(indices(s))
         flat = [i for sh in shards for i in sh]
         assert sorted(flat) == list(range(n))  # disjoint and covering
         orders[epoch] = shards
@@ -58,7 +64,7 @@ def test_rank_shards_disjoint_and_cover_each_epoch():
 
 
 def test_uneven_size_pads_equally():
-    shards = [list(TrainingSampler(10, seed=0, rank=r, world_size=4)) for r in range(4)]
+    shards = [indices(TrainingSampler(10, seed=0, rank=r, world_size=4)) for r in range(4)]
     assert [len(s) for s in shards] == [3, 3, 3, 3]
     assert set(i for s in shards for i in s) == set(range(10))
 
@@ -69,8 +75,25 @@ def test_set_epoch_reproducible_and_different():
     b.set_epoch(2)
     assert list(a) == list(b)
     b.set_epoch(3)
-    assert list(a) != list(b)
-    assert sorted(a) == list(range(50))
+    assert indices(a) != indices(b)
+    assert sorted(indices(a)) == list(range(50))
+
+
+def test_keys_number_the_epoch_globally_whatever_the_world_size():
+    whole = TrainingSampler(10, seed=4)
+    whole.set_epoch(7)
+    assert list(whole) == [SampleKey(i, 7, p) for p, i in enumerate(indices(whole))]
+    shards = []
+    for rank in range(3):
+        s = TrainingSampler(10, seed=4, rank=rank, world_size=3)
+        s.set_epoch(7)
+        shards.append(list(s))
+        assert [k.position for k in shards[-1]] == list(range(rank, 12, 3))
+    by_position = {k.position: k for shard in shards for k in shard}
+    # The first 10 positions are the same samples as with one rank; 10 and 11 are padding:
+    # repeats of items 0 and 1 at positions (hence augmentations) of their own.
+    assert [by_position[p] for p in range(10)] == list(whole)
+    assert [by_position[p].index for p in (10, 11)] == indices(whole)[:2]
 
 
 @pytest.mark.parametrize("world,rank", [(1, 0), (3, 2)])
@@ -114,7 +137,7 @@ def test_repeat_factor_sampler_draws_rare_images_as_often_as_their_factor():
     for epoch in range(epochs):
         for s in samplers:
             s.set_epoch(epoch)
-            shard = list(s)
+            shard = indices(s)
             lens.add(len(shard))
             counts.update(shard)
     assert lens == {math.ceil(round(90 + 10 * expected) / 2)}  # fixed epoch length, same on every rank
@@ -133,7 +156,7 @@ def test_repeat_factor_sampler_epoch_seeding():
     seqs = set()
     for e in range(5):
         b.set_epoch(e)
-        seqs.add(tuple(b))
+        seqs.add(tuple(indices(b)))
     assert len(seqs) > 1
 
 

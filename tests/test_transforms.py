@@ -70,6 +70,26 @@ def test_random_min_size_choice_and_same_seed_same_output():
     assert flips == {True, False}
 
 
+def test_keyed_call_is_a_pure_function_of_seed_epoch_and_position():
+    img, boxes, labels = rectangles_image()
+    cfg = load_config(None, ["input.min_size_train=[40,60,80]", "input.max_size_train=1000", "input.hflip_prob=0.5",
+                             "input.color_jitter=true"])
+    t1, t2 = build_transforms(cfg, True, seed=11), build_transforms(cfg, True, seed=11)
+    ref = t1(img, boxes, labels, key=(3, 17))
+    for _ in range(5):  # the pipeline's running stream moves on; a keyed call does not see it
+        t2(img, boxes, labels)
+    for out in (t1(img, boxes, labels, key=(3, 17)), t2(img, boxes, labels, key=(3, 17))):
+        assert all(torch.equal(a, b) for a, b in zip(ref, out))
+    # Other epochs, positions or seeds draw anew; the size and the flip are independent draws.
+    outs = [t1(img, boxes, labels, key=(e, p)) for e in range(2) for p in range(40)]
+    combos = {(min(o[0].shape[1:]), bool(o[1][0, 0] > o[0].shape[2] / 2)) for o in outs}
+    assert combos == {(s, f) for s in (40, 60, 80) for f in (True, False)}
+    same_epoch_1 = sum(torch.equal(a[0], b[0]) for a, b in zip(outs[:40], outs[40:]))
+    assert same_epoch_1 < 10  # colour jitter makes equal draws all but impossible
+    t3 = build_transforms(cfg, True, seed=12)
+    assert not torch.equal(t3(img, boxes, labels, key=(3, 17))[0], ref[0])
+
+
 def test_eval_transform_is_deterministic_and_scale_maps_back():
     img, boxes, labels = rectangles_image()
     cfg = load_config(None, ["input.min_size_test=50", "input.max_size_test=1000", "input.hflip_prob=1.0"])

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .samplers import SampleKey
+
 logger = logging.getLogger(__name__)
 
 # The 20 PASCAL VOC classes, in the usual order (used when data.class_names is empty).
@@ -57,9 +59,10 @@ class DataError(ValueError):
     """Bad input data (annotation file, image file, or a data set empty after filtering)."""
 
 
-# transforms(image HWC uint8, boxes [N,4] float32, labels [N] int64)
+# transforms(image HWC uint8, boxes [N,4] float32, labels [N] int64[, key=(epoch, position)])
 #   -> (image [3,H',W'] uint8 tensor, boxes [M,4] float32 tensor, labels [M] int64 tensor)
-Transform = Callable[[np.ndarray, np.ndarray, np.ndarray], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (``key`` is passed when the item is fetched with a ``SampleKey``; see transforms.py.)
+Transform = Callable[..., Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -258,12 +261,17 @@ class DetectionDataset(torch.utils.data.Dataset):
             )
         return image
 
-    def __getitem__(self, idx: int) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    def __getitem__(self, key: int | SampleKey) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        """Item ``key``: an index, or a training sampler's ``SampleKey``, whose epoch and
+        position seed the item's augmentation (the transform's ``key``)."""
+        idx = key.index if isinstance(key, SampleKey) else key
         r = self.records[idx]
         image = self.load_image(idx)
         mask = self._train_mask(r)
         boxes, labels = r.boxes[mask], r.labels[mask]
-        if self.transforms is not None:
+        if self.transforms is not None and isinstance(key, SampleKey):
+            image_t, boxes_t, labels_t = self.transforms(image, boxes, labels, key=(key.epoch, key.position))
+        elif self.transforms is not None:
             image_t, boxes_t, labels_t = self.transforms(image, boxes, labels)
         else:
             image_t = torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))

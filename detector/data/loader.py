@@ -6,8 +6,9 @@ this rank and is the same on every rank. ``build_test_loader`` shards the data s
 contiguously (``InferenceSampler``), no duplicates.
 
 Batches are ``(list of uint8 [3,H,W] tensors, list of target dicts)``: no padding on the
-CPU side (the model pads). Workers are seeded from the loader's generator, which is
-seeded by ``train.seed`` and the rank, so two loaders built alike give identical batches.
+CPU side (the model pads). The training loader's batch sampler yields ``SampleKey``s, and
+each sample's augmentation is drawn from ``(train.seed, epoch, position)``: a batch is the
+same with any number of workers, on any rank that owns it, and after a resume.
 """
 
 from __future__ import annotations
@@ -131,11 +132,12 @@ def collate_detection(batch: List[Tuple[torch.Tensor, Dict[str, Any]]]) -> Any:
 
 
 def worker_init_fn(worker_id: int, rank: int = 0) -> None:
-    """Seed ``random``, numpy, torch and the dataset's transform RNG in a worker.
+    """Seed ``random``, numpy and torch in a worker, and turn off OpenCV's thread pool.
 
-    The seed is torch's per-worker seed (``base_seed + worker_id``, where the base seed is
-    drawn from the loader's seeded generator at each epoch's iterator), mixed with the
-    rank, so workers, ranks and epochs all differ, reproducibly.
+    The seed is torch's per-worker seed (``base_seed + worker_id``, drawn from the loader's
+    generator), mixed with the rank. The augmentation does not use these generators (its
+    random numbers come from each sample's ``SampleKey``); they only keep any other random
+    code in a worker reproducible and different across workers and ranks.
     """
     seed = (torch.initial_seed() + 1_000_003 * rank) % 2**32
     random.seed(seed)
@@ -147,11 +149,6 @@ def worker_init_fn(worker_id: int, rank: int = 0) -> None:
         cv2.setNumThreads(0)  # no OpenCV thread pools inside workers
     except ImportError:  # pragma: no cover
         pass
-    info = torch.utils.data.get_worker_info()
-    dataset = info.dataset if info is not None else None
-    transforms = getattr(dataset, "transforms", None)
-    if hasattr(transforms, "set_random_seed"):
-        transforms.set_random_seed(seed)
 
 
 def _is_bus_error(exc: BaseException, iterator: Any = None) -> bool:
@@ -240,9 +237,6 @@ def build_train_loader(cfg: Config, dataset: Dataset, rank: int = 0, world_size:
     """
     num_workers = cfg.data.num_workers if num_workers is None else num_workers
     batch_sampler = build_train_sampler(cfg, dataset, rank, world_size)
-    transforms = getattr(dataset, "transforms", None)
-    if hasattr(transforms, "set_random_seed"):  # the RNG used when num_workers == 0
-        transforms.set_random_seed(cfg.train.seed + 1_000_003 * rank)
     generator = torch.Generator().manual_seed(cfg.train.seed + rank)
     return DetectionDataLoader(
         dataset,

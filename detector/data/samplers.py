@@ -1,5 +1,11 @@
 """Samplers: distributed-aware, epoch-seeded, resumable mid-epoch.
 
+The training samplers yield ``SampleKey(index, epoch, position)``: the data-set item,
+the epoch, and the sample's place in the epoch's global order (the order all ranks
+share, before sharding). A data set indexed with a key draws the sample's augmentation
+from ``(seed, epoch, position)``, so the key alone fixes the augmented sample: the key
+travels to DataLoader workers with the index, whatever their number or persistence.
+
 - ``TrainingSampler``: one shuffled permutation per epoch (seeded by ``seed + epoch``),
   padded to a multiple of ``world_size`` by repeating its first indices, and sharded
   ``rank::world_size`` (DistributedSampler semantics). Every rank gets the same count.
@@ -16,11 +22,24 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+
+class SampleKey(NamedTuple):
+    """One training sample: data-set item ``index`` drawn at ``position`` of ``epoch``.
+
+    ``position`` counts the samples of the epoch over all ranks (0 .. total - 1), so it
+    does not depend on the world size, and a repeated item (repeat-factor sampling,
+    padding) gets a position, hence an augmentation, of its own.
+    """
+
+    index: int
+    epoch: int
+    position: int
 
 
 def _check_rank(rank: int, world_size: int) -> None:
@@ -28,8 +47,10 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
 
 
-class TrainingSampler(Sampler[int]):
-    """Shuffled (or ordered) indices of ``size`` items for one rank, one epoch at a time.
+class TrainingSampler(Sampler[SampleKey]):
+    """Shuffled (or ordered) ``SampleKey``s of ``size`` items for one rank, one epoch at a time.
+
+    Rank ``r`` of ``W`` gets positions ``r, r + W, r + 2W, ...`` of the epoch's padded order.
 
     Args:
         size: number of items in the data set.
@@ -61,10 +82,10 @@ class TrainingSampler(Sampler[int]):
             return torch.randperm(self.size, generator=g).tolist()
         return list(range(self.size))
 
-    def __iter__(self) -> Iterator[int]:
-        indices = self._epoch_indices()
-        indices = _pad_to(indices, self.total_size)
-        return iter(indices[self.rank : self.total_size : self.world_size])
+    def __iter__(self) -> Iterator[SampleKey]:
+        indices = _pad_to(self._epoch_indices(), self.total_size)
+        for position in range(self.rank, self.total_size, self.world_size):
+            yield SampleKey(indices[position], self.epoch, position)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -131,18 +152,18 @@ class RepeatFactorSampler(TrainingSampler):
         return indices[order].tolist()
 
 
-class GroupedBatchSampler(Sampler[List[int]]):
-    """Batches of ``batch_size`` indices from ``sampler``, each batch from one group.
+class GroupedBatchSampler(Sampler[List[SampleKey]]):
+    """Batches of ``batch_size`` keys from ``sampler``, each batch from one group.
 
-    Indices are buffered per group and a batch is emitted when its group's buffer is full.
+    Keys are buffered per group and a batch is emitted when its group's buffer is full.
     The epoch has exactly ``num_batches = len(sampler) // batch_size`` batches (the same on
     every rank, since the samplers above give every rank the same count): when the sampler
     runs out with fewer batches emitted, the fullest leftover buffers are completed with
-    indices of the same group seen earlier in the epoch. With one group (all ids equal)
+    keys of the same group seen earlier in the epoch. With one group (all ids equal)
     this is plain batching with ``drop_last``.
 
     Args:
-        sampler: yields dataset indices; may have ``set_epoch``.
+        sampler: yields ``SampleKey``s; may have ``set_epoch``.
         group_ids: group of each dataset index (e.g. 0 for w/h < 1, 1 otherwise).
         batch_size: images per batch (per rank).
     """
@@ -173,14 +194,14 @@ class GroupedBatchSampler(Sampler[List[int]]):
             raise ValueError(f"set_start({num_batches_done}): must be in 0..{self.num_batches}")
         self.start = int(num_batches_done)
 
-    def _batches(self) -> Iterator[List[int]]:
-        buffers: Dict[int, List[int]] = defaultdict(list)
-        seen: Dict[int, List[int]] = defaultdict(list)
+    def _batches(self) -> Iterator[List[SampleKey]]:
+        buffers: Dict[int, List[SampleKey]] = defaultdict(list)
+        seen: Dict[int, List[SampleKey]] = defaultdict(list)
         emitted = 0
-        for idx in self.sampler:
-            g = self.group_ids[idx]
-            buffers[g].append(idx)
-            seen[g].append(idx)
+        for key in self.sampler:
+            g = self.group_ids[key.index]
+            buffers[g].append(key)
+            seen[g].append(key)
             if len(buffers[g]) == self.batch_size:
                 yield buffers[g]
                 buffers[g] = []
@@ -201,7 +222,7 @@ class GroupedBatchSampler(Sampler[List[int]]):
             emitted += 1
         assert emitted == self.num_batches, "GroupedBatchSampler: fewer batches than promised"
 
-    def __iter__(self) -> Iterator[List[int]]:
+    def __iter__(self) -> Iterator[List[SampleKey]]:
         start, self.start = self.start, 0
         for i, batch in enumerate(self._batches()):
             if i >= start:

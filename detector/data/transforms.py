@@ -11,6 +11,12 @@ rounded ``(w * scale, h * scale)``. The scale actually applied per axis,
 Boxes go through albumentations in ``pascal_voc`` format (``[x1, y1, x2, y2]`` pixels),
 are clipped to the image, and a box that a transform pushes out of the image (zero area
 left) is dropped together with its label.
+
+Randomness: in training every sample's random numbers (shorter side, flip, colour) come
+from generators seeded by ``(seed, epoch, sample position)`` (``sample_generators``), so an
+augmented sample is a pure function of that triple and of the image: the same whatever
+the number of workers or ranks, and the same after a resume. There is no augmentation
+random state to save in a checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +30,17 @@ import numpy as np
 import torch
 
 from detector.config import Config
+
+
+def sample_generators(seed: int, epoch: int, position: int) -> Tuple[np.random.Generator, random.Random]:
+    """The numpy and python generators that draw one sample's augmentation.
+
+    Both are seeded from ``np.random.SeedSequence`` over ``(seed, epoch, position)``
+    (each taken modulo 2**64), so nearby triples give independent streams.
+    """
+    np_seq, py_seq = np.random.SeedSequence([int(v) % 2**64 for v in (seed, epoch, position)]).spawn(2)
+    py_seed = int.from_bytes(py_seq.generate_state(4, dtype=np.uint32).tobytes(), "little")
+    return np.random.default_rng(np_seq), random.Random(py_seed)
 
 
 def resized_shape(height: int, width: int, min_size: int, max_size: int) -> Tuple[int, int]:
@@ -70,28 +87,35 @@ class DetectionTransform:
     """Apply an albumentations pipeline to ``(image, boxes, labels)``.
 
     Call: ``image`` uint8 ``[H, W, 3]``, ``boxes`` float32 ``[N, 4]`` xyxy pixels,
-    ``labels`` int64 ``[N]`` -> ``(image uint8 tensor [3, H', W'], boxes float32 tensor
-    [M, 4], labels int64 tensor [M])`` with ``M <= N`` (boxes pushed out are dropped
-    with their labels).
+    ``labels`` int64 ``[N]``, and optionally ``key = (epoch, position)`` -> ``(image uint8
+    tensor [3, H', W'], boxes float32 tensor [M, 4], labels int64 tensor [M])`` with
+    ``M <= N`` (boxes pushed out are dropped with their labels).
+
+    With a ``key`` the sample's random numbers come from ``sample_generators(seed, epoch,
+    position)``: the output depends on nothing else (this is how the training loader
+    calls it). Without one, the pipeline draws from its own running stream, seeded by
+    ``seed`` at construction.
 
     Args:
         transforms: albumentations transforms, applied in order.
-        seed: seed of the pipeline's own random state (albumentations ignores the global
-            ones); the loader reseeds it per worker with ``set_random_seed``.
+        seed: the run's seed (``train.seed``).
     """
 
-    def __init__(self, transforms: List[A.BasicTransform], seed: Optional[int] = None) -> None:
+    def __init__(self, transforms: List[A.BasicTransform], seed: int = 0) -> None:
+        self.seed = int(seed)
         self.pipeline = A.Compose(
             transforms,
             bbox_params=A.BboxParams(format="pascal_voc", label_fields=["labels"], clip=True,
                                      filter_invalid_bboxes=True, min_area=0.0, min_visibility=0.0),
-            seed=seed,
         )
+        # One shared stream for all transforms (albumentations' own seeding would give each
+        # transform an identical copy, i.e. correlated draws).
+        self.pipeline.set_random_state(np.random.default_rng(self.seed % 2**64), random.Random(self.seed))
 
-    def set_random_seed(self, seed: int) -> None:
-        self.pipeline.set_random_seed(int(seed) % 2**32)
-
-    def __call__(self, image: np.ndarray, boxes: np.ndarray, labels: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, image: np.ndarray, boxes: np.ndarray, labels: np.ndarray,
+                 key: Optional[Tuple[int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if key is not None:
+            self.pipeline.set_random_state(*sample_generators(self.seed, *key))
         boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
         labels = np.asarray(labels, dtype=np.int64).reshape(-1)
         out = self.pipeline(image=image, bboxes=boxes, labels=labels)
@@ -106,14 +130,14 @@ class DetectionTransform:
         return image_t, torch.from_numpy(out_boxes[keep]), torch.from_numpy(out_labels[keep])
 
     def __repr__(self) -> str:
-        return f"DetectionTransform({self.pipeline.transforms})"
+        return f"DetectionTransform({self.pipeline.transforms}, seed={self.seed})"
 
 
 def build_transforms(cfg: Config, is_train: bool, seed: Optional[int] = None) -> DetectionTransform:
     """The train pipeline (random shorter side from ``input.min_size_train`` capped at
     ``input.max_size_train``, horizontal flip with ``input.hflip_prob``, optional colour
     jitter) or the eval pipeline (deterministic resize to ``input.min_size_test`` /
-    ``input.max_size_test``)."""
+    ``input.max_size_test``). ``seed``: the run's seed (default: a random one)."""
     inp = cfg.input
     if is_train:
         transforms: List[A.BasicTransform] = [ResizeShortestEdge(inp.min_size_train, inp.max_size_train)]
