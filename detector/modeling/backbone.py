@@ -50,10 +50,14 @@ class FrozenBatchNorm2d(_TVFrozenBatchNorm2d):
     uses the fused inference ``batch_norm`` kernel when no gradient flows through it
     (one pass over the activations instead of a multiply and an add: the eval-mode
     forward of a ResNet-50 is ~7 % faster on CPU). With a gradient it keeps
-    torchvision's multiply-add, which saves no activation for the backward pass."""
+    torchvision's multiply-add, which saves no activation for the backward pass.
+
+    ``eps <= 0`` (torchvision's COCO weights use ``eps=0.0``) always takes torchvision's
+    multiply-add, so the output is bit-identical to ``torchvision.ops.FrozenBatchNorm2d``:
+    some torch releases (2.11) refuse ``F.batch_norm`` with ``eps <= 0``."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.requires_grad:
+        if x.requires_grad or self.eps <= 0.0:
             return super().forward(x)
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                             training=False, momentum=0.0, eps=self.eps)
