@@ -3,9 +3,14 @@ and loaders. See docs/data.md for formats, coordinates and the bad-input policy.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from detector.config import Config
+
+# albumentations asks PyPI for a newer version at import unless this is set: offline that
+# is a warning and a wait on every start. Set before any submodule imports albumentations.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from .datasets import CocoDetection, DataError, DetectionDataset, VOCDetection
 from .loader import build_test_loader, build_train_loader, measure_loader_throughput
