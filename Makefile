@@ -27,7 +27,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 demo: $(STAMP)
-	$(PY) tools/train.py --config configs/demo_shapes_cpu.yaml
+	$(PY) tools/train.py --config configs/demo_shapes.yaml
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

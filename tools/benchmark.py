@@ -1,10 +1,10 @@
 """Time the training step, inference, the data loader or COCO scoring.
 
-    python tools/benchmark.py --config configs/demo_shapes_cpu.yaml --task train --compare-torchvision
+    python tools/benchmark.py --config configs/demo_shapes.yaml --task train --compare-torchvision
     python tools/benchmark.py --config configs/torchvision_r50_fpn_coco.yaml --task infer \\
         --compare-torchvision --synthetic input.min_size_test=512 input.max_size_test=683
     python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --iters 50 --json out.json
-    python tools/benchmark.py --config configs/demo_shapes_cpu.yaml --task memory   # peak RSS of the demo run
+    python tools/benchmark.py --config configs/demo_shapes.yaml --task memory   # peak RSS of the demo run
 
 Trailing ``key=value`` arguments override the config. See docs/performance.md.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a detector.
 
-    python tools/train.py --config configs/demo_shapes_cpu.yaml
+    python tools/train.py --config configs/demo_shapes.yaml
     torchrun --nproc_per_node=8 tools/train.py --config configs/faster_rcnn_r50_fpn_1x_coco.yaml
     python tools/train.py --config C --resume                # continue <output_dir>/checkpoints/last.pth
     python tools/train.py --config C --weights FasterRCNN_ResNet50_FPN_Weights.COCO_V1 solver.lr=0.01

@@ -3,7 +3,7 @@
 
     python -m detector.data.bench --workers 0 1 2 --batches 100 --repeats 3
 
-measures two cases: the demo's shapes set (``configs/demo_shapes_cpu.yaml`` input
+measures two cases: the demo's shapes set (``configs/demo_shapes.yaml`` input
 settings) and a COCO-format set of 640x480 JPEGs through the COCO-style train pipeline
 (shorter side 800, longer side at most 1333, flip), batch 2. Data go under ``--workdir``.
 """
@@ -76,7 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--batches", type=int, default=40, help="timed batches per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best is reported")
-    parser.add_argument("--demo-config", default="configs/demo_shapes_cpu.yaml")
+    parser.add_argument("--demo-config", default="configs/demo_shapes.yaml")
     args = parser.parse_args(argv)
     work = Path(args.workdir)
     shapes_root = work / "shapes"
