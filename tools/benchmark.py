@@ -6,7 +6,7 @@
     python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --iters 50 --json out.json
     python tools/benchmark.py --config configs/demo_shapes.yaml --task memory   # peak RSS of the demo run
 
-Trailing ``key=value`` arguments override the config. See docs/performance.md.
+Trailing key=value arguments override the config. See docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 #!/usr/bin/env python
-"""Evaluate a detector, or score a results file.
+r"""Evaluate a detector, or score a results file.
 
-Run a model (also under ``torchrun``)::
+Run a model (also under torchrun):
 
     python tools/eval.py --config runs/x/config.yaml --weights runs/x/checkpoints/best.pth \
         [--output-dir runs/x/eval] [eval.backend=faster ...]
 
-Score detections without a model (COCO results list, or a COCO-format dict whose
-``images``/``categories`` are matched to the ground truth by file and class name)::
+Score detections without a model (a COCO results list, or a COCO-format dict whose
+images and categories are matched to the ground truth by file and class name):
 
     python tools/eval.py --predictions dets.json --annotations instances.json [--output-dir O]
     python tools/eval.py --predictions dets.json --voc-root VOCdevkit/VOC2012 --voc-split val
 
-Writes ``metrics.json``, ``detections.json``, ``per_class.csv``, ``pr_curves.png`` and
-``confusion_matrix.png`` into ``--output-dir``; prints the metrics table. Exit status 1
+Writes metrics.json, detections.json, per_class.csv, pr_curves.png and
+confusion_matrix.png into --output-dir; prints the metrics table. Exit status 1
 with a one-line message on bad input.
 """
 

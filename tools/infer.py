@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Run a detector on an image or a folder of images; draw the boxes.
+r"""Run a detector on an image or a folder of images; draw the boxes.
 
     python tools/infer.py --config runs/x/config.yaml --weights runs/x/checkpoints/best.pth \
         --input photo.jpg_or_folder --output-dir out/ [--score-thresh 0.5] [key=value ...]
 
-Writes ``<output-dir>/<image stem>.png`` per input (boxes with class and score) and
-``<output-dir>/detections.json`` (boxes ``[x1, y1, x2, y2]`` in the image's pixels).
-Exit status 1 with a one-line message on bad input.
+Writes <output-dir>/<image stem>.png per input (boxes with class and score) and
+<output-dir>/detections.json (boxes [x1, y1, x2, y2] in the image's pixels).
+Images that cannot be read are skipped with a warning; the others are still written,
+then the tool names the skipped ones and exits with status 1. Exit status 1 with a
+one-line message on other bad input.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         model = build_model(cfg)
         load_weights(model, args.weights)
         model.to(device).eval()
-        records = predict_files(
+        records, skipped = predict_files(
             model,
             paths,
             args.output_dir,
@@ -81,6 +83,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         write_json(Path(args.output_dir) / "detections.json", records)
         print(f"{len(records)} image(s) written to {args.output_dir}")
+        if skipped:
+            print(f"error: skipped {len(skipped)} unreadable image(s): {'; '.join(skipped)}", file=sys.stderr)
+            return 1
         return 0
     except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

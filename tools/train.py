@@ -6,7 +6,7 @@
     python tools/train.py --config C --resume                # continue <output_dir>/checkpoints/last.pth
     python tools/train.py --config C --weights FasterRCNN_ResNet50_FPN_Weights.COCO_V1 solver.lr=0.01
 
-Trailing ``key=value`` arguments override config keys. See docs/training.md.
+Trailing key=value arguments override config keys. See docs/training.md.
 """
 
 from __future__ import annotations

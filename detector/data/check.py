@@ -40,6 +40,8 @@ class CheckReport:
     degenerate_boxes: int = 0
     outside_boxes: int = 0
     past_edge_boxes: int = 0
+    non_integer_boxes: int = 0  # VOC boxes with fractional coordinates: accepted, reported
+    non_integer_examples: List[str] = field(default_factory=list)
     missing_files: List[str] = field(default_factory=list)
     unreadable_files: List[str] = field(default_factory=list)
     errors: List[str] = field(default_factory=list)  # every error message, in order found
@@ -61,30 +63,46 @@ def _histogram(values: Sequence[float], edges: Sequence[float], fmt: str = "{:g}
     return {lab: counts.get(lab, 0) for lab in labels}
 
 
-def _records_for(cfg: Config, split: str, issues: Issues) -> Tuple[List[ImageRecord], List[str], str]:
+def describe_source(cfg: Config, split: str) -> str:
+    """The files the checker reads for ``cfg.data.<split>``, for the report's header."""
+    data = cfg.data
+    sc = getattr(data, split)
+    if data.format == "coco":
+        return f"COCO {sc.ann_file}, images in {sc.root}"
+    if data.format == "voc":
+        return (f"VOC year folder {sc.root}: ImageSets/Main/{sc.split or split}.txt, Annotations/*.xml, "
+                f"JPEGImages/")
+    if data.format == "shapes":
+        name = sc.split or split
+        return f"shapes {sc.ann_file or os.path.join(sc.root, f'{name}.json')}, images in {os.path.join(sc.root, name)}"
+    return f"data.format {data.format!r}"
+
+
+def _records_for(cfg: Config, split: str, issues: Issues) -> Tuple[List[ImageRecord], List[str]]:
     data = cfg.data
     sc = getattr(data, split)
     if data.format == "coco":
         records, names, _, _ = parse_coco(sc.ann_file, sc.root, issues)
-        return records, names, sc.ann_file
+        return records, names
     if data.format == "voc":
         names = list(data.class_names) or list(VOC_CLASSES)
-        return parse_voc(sc.root, sc.split or split, names, issues), names, f"{sc.root} ({sc.split or split})"
+        return parse_voc(sc.root, sc.split or split, names, issues), names
     if data.format == "shapes":
         name = sc.split or split
         ann_file = sc.ann_file or os.path.join(sc.root, f"{name}.json")
         records, names, _, _ = parse_coco(ann_file, os.path.join(sc.root, name), issues)
-        return records, names, ann_file
+        return records, names
     raise ValueError(f"data.format must be coco, voc or shapes, got {data.format!r}")
 
 
 def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> CheckReport:
     """Check ``cfg.data.<split>``; never raises on bad data, reports it instead."""
     issues = Issues(strict=False, log_skips=False)
+    source = describe_source(cfg, split)
     try:
-        records, class_names, source = _records_for(cfg, split, issues)
+        records, class_names = _records_for(cfg, split, issues)
     except (DataError, FileNotFoundError, OSError) as exc:
-        report = CheckReport(source=str(getattr(cfg.data, split).ann_file or getattr(cfg.data, split).root))
+        report = CheckReport(source=source)
         report.errors.append(str(exc))
         return report
     report = CheckReport(source=source, num_images=len(records))
@@ -92,6 +110,8 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
     report.degenerate_boxes = issues.skipped.get("degenerate", 0)
     report.outside_boxes = issues.skipped.get("outside", 0)
     report.past_edge_boxes = len(issues.past_edge)
+    report.non_integer_boxes = len(issues.non_integer)
+    report.non_integer_examples = issues.non_integer[:MAX_LISTED]
     report.errors.extend(m for m in issues.skip_messages)
     report.errors.extend(issues.past_edge)
 
@@ -149,6 +169,9 @@ def format_report(report: CheckReport) -> str:
             lines.append(f"{title}: " + ", ".join(f"{k}: {v}" for k, v in hist.items()))
     lines.append(f"degenerate boxes: {report.degenerate_boxes}   boxes outside the image: {report.outside_boxes}   "
                  f"boxes past the edge: {report.past_edge_boxes}")
+    if report.non_integer_boxes:
+        lines.append(f"boxes with non-integer coordinates (accepted as floats): {report.non_integer_boxes}")
+        lines += [f"  {m}" for m in report.non_integer_examples[:3]]
     lines.append(f"missing image files: {len(report.missing_files)}   unreadable image files: {len(report.unreadable_files)}")
     if report.errors:
         lines.append(f"ERRORS: {len(report.errors)}")
@@ -168,7 +191,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(description="Check a detection data set named by a config.")
     parser.add_argument("--config", required=True, help="YAML config")
-    parser.add_argument("--split", default="train", choices=["train", "val"])
+    parser.add_argument("--split", default="train", choices=["train", "val"],
+                        help="which of data.train / data.val to check (default: train)")
     parser.add_argument("--no-decode", action="store_true", help="only check that image files exist")
     parser.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = parser.parse_args(argv)

@@ -13,11 +13,15 @@ Bad-input policy (see docs/data.md):
   missing top-level key, an ``image_id`` that appears twice, an annotation whose
   ``image_id`` or ``category_id`` is unknown, a malformed ``bbox``, a VOC object with a class
   name outside ``class_names``, a missing/truncated/corrupt image file (raised when the
-  item is loaded), a decoded image whose size differs from the metadata, and a data set
-  that is empty after filtering;
+  item is loaded), a decoded image whose size differs from the metadata, an image of
+  32-bit pixels (no defined 8-bit scale; 16-bit images are scaled, see ``to_rgb8``), a
+  COCO ``file_name`` or VOC id that resolves outside the image root, and a data set that
+  is empty after filtering;
 - counted, logged skips (a warning naming the annotation id, counted in
   ``dataset.skipped``): boxes with non-positive width or height and boxes wholly outside
   their image. Boxes partly outside are clipped to the image (counted in ``skipped["clipped"]``).
+  VOC boxes with fractional coordinates are accepted as floats and counted
+  (``Issues.non_integer``, reported by the checker).
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class Issues:
     skip_messages: List[str] = field(default_factory=list)
     log_skips: bool = True
     past_edge: List[str] = field(default_factory=list)  # clipped by more than PAST_EDGE_TOLERANCE
+    non_integer: List[str] = field(default_factory=list)  # VOC objects with fractional pixel coordinates (accepted)
 
     def error(self, message: str) -> None:
         if self.strict:
@@ -152,23 +157,53 @@ def check_box(
     return cx1, cy1, cx2, cy2
 
 
+def to_rgb8(img: Image.Image, what: str) -> np.ndarray:
+    """A decoded PIL image as uint8 ``[H, W, 3]`` RGB, scaled correctly from any bit depth.
+
+    - 16-bit grayscale (modes ``I;16``, ``I;16B``, ``I;16L``; ``I`` from a PNG, which can
+      only be 16-bit) maps the full range 0..65535 linearly onto 0..255:
+      ``round(v * 255 / 65535)`` = ``round(v / 257)``, so 65535 -> 255 and 0 -> 0.
+      (PIL's own ``convert("RGB")`` clips every value above 255 to 255, a blank image.)
+      16-bit RGB(A) PNGs are already reduced to 8 bits by PIL when opened (high byte).
+    - 32-bit integer (``I``, other than PNG) and 32-bit float (``F``) pixels have no
+      defined 8-bit scale (a float TIFF may hold 0..1, 0..255 or physical units), so
+      they are refused with a ``DataError`` naming the file and mode.
+    - Every other mode (``L``, ``P``, ``LA``, ``PA``, ``RGBA``, ``CMYK``, ``1``, ``YCbCr``,
+      ...) goes through PIL's ``convert("RGB")``; alpha is dropped, CMYK is converted
+      without a colour profile.
+    """
+    mode = img.mode
+    if mode.startswith("I;16") or (mode == "I" and img.format == "PNG"):
+        gray = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
+        gray8 = ((gray * 255 + 65535 // 2) // 65535).astype(np.uint8)
+        return np.repeat(gray8[:, :, None], 3, axis=2)
+    if mode in ("I", "F"):
+        kind = "32-bit integer" if mode == "I" else "32-bit float"
+        raise DataError(f"{what} has {kind} pixels (mode {mode}) with no defined 8-bit scale; "
+                        f"save it as an 8- or 16-bit image")
+    if mode != "RGB":
+        img = img.convert("RGB")
+    return np.asarray(img)
+
+
 def load_image(path: str, image_id: Optional[int] = None) -> np.ndarray:
     """Decode an image file to uint8 RGB ``[H, W, 3]`` (no EXIF rotation: annotation
-    sizes refer to the stored pixel array).
+    sizes refer to the stored pixel array); other bit depths as in ``to_rgb8``.
 
     Raises:
         FileNotFoundError: the file does not exist.
-        DataError: the file cannot be decoded (truncated or corrupt).
+        DataError: the file cannot be decoded (truncated or corrupt), or its pixel type
+            has no defined 8-bit scale.
     """
     what = f"image file {path}" + (f" (image_id {image_id})" if image_id is not None else "")
     try:
         with Image.open(path) as img:
             img.load()
-            if img.mode != "RGB":
-                img = img.convert("RGB")
-            array = np.asarray(img)
+            array = to_rgb8(img, what)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} not found") from None
+    except DataError:
+        raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DataError(f"cannot decode {what}: {reason}") from None
@@ -340,6 +375,18 @@ def read_json(path: str | os.PathLike) -> Any:
         raise DataError(f"annotation file {path} is not valid JSON: {msg}{where}") from None
 
 
+def path_within(root: str, name: str) -> Optional[str]:
+    """``root/name``, or None when ``name`` is empty, absolute or climbs out of ``root``
+    with ``..`` (checked on the text, no file access). Symbolic links inside ``root`` are
+    followed: linking files into an image folder is a common, deliberate set-up."""
+    if not name or os.path.isabs(name) or os.path.splitdrive(name)[0]:
+        return None
+    rel = os.path.normpath(name)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return None
+    return os.path.join(root, rel)
+
+
 def parse_coco(
     ann_file: str | os.PathLike, image_dir: str | os.PathLike, issues: Issues
 ) -> Tuple[List[ImageRecord], List[str], Dict[int, int], Any]:
@@ -386,6 +433,10 @@ def parse_coco(
         if not all(isinstance(img[k], (int, float)) and img[k] > 0 for k in ("width", "height")):
             issues.error(f"annotation file {ann_file}: image_id {img['id']}: width/height must be positive numbers, "
                          f"got {img['width']!r} x {img['height']!r}")
+            continue
+        if not isinstance(img["file_name"], str) or path_within(str(image_dir), img["file_name"]) is None:
+            issues.error(f"annotation file {ann_file}: image_id {img['id']}: file_name {img['file_name']!r} "
+                         f"resolves outside the image root {image_dir}")
             continue
         if img["id"] in seen:
             issues.error(
@@ -445,7 +496,7 @@ def parse_coco(
                          bool(ann.get("difficult", 0) or ann.get("ignore", 0) and not ann.get("iscrowd", 0)),
                          int(ann.get("id", 0)), area))
         arrays = _rows_to_arrays(rows)
-        records.append(ImageRecord(image_id=int(img["id"]), path=os.path.join(image_dir, img["file_name"]),
+        records.append(ImageRecord(image_id=int(img["id"]), path=path_within(image_dir, img["file_name"]),
                                    width=width, height=height, **arrays))
     return records, class_names, label_to_category_id, coco
 
@@ -539,6 +590,9 @@ def parse_voc(
     records = []
     ann_counter = 0
     for vid, image_id in zip(ids, int_ids):
+        if path_within(str(root / "JPEGImages"), f"{vid}.jpg") is None:
+            issues.error(f"VOC split file {split_file}: image id {vid!r} resolves outside the year folder {root}")
+            continue
         xml_path = root / "Annotations" / f"{vid}.xml"
         try:
             tree = ET.parse(xml_path)
@@ -575,6 +629,11 @@ def parse_voc(
             box = check_box((xmin - 1.0, ymin - 1.0, xmax, ymax), width, height, where, issues)
             if box is None:
                 continue
+            if not all(float(v).is_integer() for v in (xmin, ymin, xmax, ymax)):
+                # VOC writes integer pixel indices; some tools write fractions. Accepted as
+                # floats (same conversion), counted for check_dataset's report.
+                issues.non_integer.append(f"{where}: non-integer coordinates "
+                                          f"[{xmin:g}, {ymin:g}, {xmax:g}, {ymax:g}] (accepted as floats)")
             difficult = (_xml_text(obj, "difficult") or "0") not in ("0", "")
             area = (box[2] - box[0]) * (box[3] - box[1])
             rows.append((box, name_to_label[name], False, difficult, ann_counter, area))
@@ -608,6 +667,10 @@ class VOCDetection(DetectionDataset):
         self.split = split
         if issues.skipped:
             logger.warning("%s (%s): skipped objects: %s", root, split, dict(issues.skipped))
+        if issues.non_integer:
+            logger.info("%s (%s): %d objects have non-integer <bndbox> coordinates, used as floats (first: %s)",
+                        root, split, len(issues.non_integer), issues.non_integer[0])
+        self.num_non_integer_boxes = len(issues.non_integer)
         super().__init__(records, class_names, {i + 1: i + 1 for i in range(len(class_names))},
                          transforms=transforms, use_difficult=use_difficult, filter_empty=filter_empty,
                          skipped=issues.skipped, source=f"{root} ({split})")

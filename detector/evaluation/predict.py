@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import nn
 from torchvision.utils import draw_bounding_boxes
+
+from detector.data.datasets import DataError, load_image
 
 from .inference import model_device, to_original_boxes, unwrap
 
@@ -37,12 +39,13 @@ def list_images(path: str | Path) -> List[Path]:
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
-    """uint8 [H, W, 3] RGB; an unreadable file is a ValueError naming it."""
-    try:
-        with Image.open(path) as img:
-            return np.asarray(img.convert("RGB"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read image {path}: {exc}") from None
+    """uint8 [H, W, 3] RGB, any bit depth scaled as ``detector.data.datasets.to_rgb8`` does.
+
+    Raises:
+        FileNotFoundError: no such file.
+        DataError: the file is unreadable or its pixel type has no 8-bit scale (named).
+    """
+    return load_image(str(path))
 
 
 @torch.inference_mode()
@@ -106,19 +109,32 @@ def predict_files(
     class_names: Sequence[str],
     transform: Optional[Callable] = None,
     score_thresh: float = 0.5,
-) -> List[Dict[str, Any]]:
-    """Detect on each file, write ``<output_dir>/<stem>.png`` with the boxes drawn;
-    return one JSON-ready record per file (``file``, ``boxes`` xyxy, ``scores``,
-    ``labels``, ``names``)."""
+) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Detect on each file, write ``<output_dir>/<stem>.png`` with the boxes drawn.
+
+    A file that cannot be read (missing, corrupt, unsupported pixel type) is skipped with
+    a warning naming it; the others are still processed.
+
+    Returns:
+        ``(records, skipped)``: one JSON-ready record per readable file (``file``,
+        ``height``, ``width``, ``boxes`` xyxy, ``scores``, ``labels``, ``names``), and one
+        message per skipped file.
+    """
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     net = unwrap(model)
     was_training = net.training
     net.eval()
-    records = []
+    records: List[Dict[str, Any]] = []
+    skipped: List[str] = []
     try:
         for path in paths:
-            image = read_rgb(path)
+            try:
+                image = read_rgb(path)
+            except (FileNotFoundError, DataError) as exc:
+                logger.warning("skipped: %s", exc)
+                skipped.append(str(exc))
+                continue
             det = predict_image(net, image, transform, score_thresh)
             drawn = draw_detections(image, det, class_names)
             Image.fromarray(drawn.permute(1, 2, 0).numpy()).save(out_dir / f"{Path(path).stem}.png")
@@ -137,4 +153,4 @@ def predict_files(
             logger.info("%s: %d detections", path, len(labels))
     finally:
         net.train(was_training)
-    return records
+    return records, skipped

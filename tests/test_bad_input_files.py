@@ -1,0 +1,274 @@
+"""Bad data files (issue 10): image paths outside the root, non-8-bit images, fractional VOC
+coordinates, check_dataset's header, tool help texts, infer.py skipping unreadable images."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import logging
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from detector.config import load_config
+from detector.data import CocoDetection, DataError, VOCDetection, build_dataset
+from detector.data.check import check_dataset, format_report, main as check_main
+from detector.data.datasets import load_image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_coco(tmp: Path, file_name: str, w: int = 40, h: int = 30) -> tuple[Path, Path]:
+    """One image entry with ``file_name`` and one box; ``images/ok.jpg`` exists."""
+    img_dir = tmp / "images"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((h, w, 3), 128, np.uint8)).save(img_dir / "ok.jpg")
+    ann = tmp / "ann.json"
+    ann.write_text(json.dumps({
+        "images": [{"id": 7, "file_name": file_name, "width": w, "height": h}],
+        "annotations": [{"id": 1, "image_id": 7, "category_id": 1, "bbox": [2, 3, 10, 10], "iscrowd": 0}],
+        "categories": [{"id": 1, "name": "thing"}],
+    }))
+    return img_dir, ann
+
+
+def coco_cfg(img_dir, ann, *extra):
+    return load_config(None, ["data.format=coco", f"data.train.root={img_dir}", f"data.train.ann_file={ann}", *extra])
+
+
+# ----------------------------------------------------------------------------- file_name outside the root
+
+
+@pytest.mark.parametrize("name", ["../../x.jpg", "ABSOLUTE", "sub/../../x.jpg", ".."])
+def test_file_name_outside_the_image_root_is_an_error(tmp_path, name):
+    outside = tmp_path / "x.jpg"  # a real image outside the root, which must not be read
+    Image.fromarray(np.zeros((30, 40, 3), np.uint8)).save(outside)
+    name = str(outside) if name == "ABSOLUTE" else name
+    img_dir, ann = write_coco(tmp_path / "set", name)
+    expected = f"image_id 7: file_name '{name}' resolves outside the image root {img_dir}"
+    with pytest.raises(DataError, match="^annotation file .*ann.json: " + expected.replace(".", r"\.")):
+        CocoDetection(img_dir, ann)
+    with pytest.raises(DataError, match=r"image_id 7: file_name .* resolves outside the image root"):
+        build_dataset(coco_cfg(img_dir, ann), "train", is_train=True)  # the training data set
+    report = check_dataset(coco_cfg(img_dir, ann))
+    assert not report.ok and report.num_images == 0
+    assert any(expected in e for e in report.errors), report.errors
+
+
+def test_file_name_in_a_subfolder_is_fine(tmp_path):
+    img_dir, ann = write_coco(tmp_path, "sub/../ok.jpg")
+    ds = CocoDetection(img_dir, ann)
+    assert ds.get_annotation(0)["path"] == str(img_dir / "ok.jpg")
+    assert ds[0][0].shape == (3, 30, 40)
+
+
+def test_voc_split_id_outside_the_year_folder_is_an_error(tmp_path):
+    root = tmp_path / "VOC2012"
+    (root / "ImageSets" / "Main").mkdir(parents=True)
+    (root / "ImageSets" / "Main" / "train.txt").write_text("../../secret\n")
+    with pytest.raises(DataError, match=r"train\.txt: image id '\.\./\.\./secret' resolves outside the year folder"):
+        VOCDetection(root, "train")
+
+
+# ----------------------------------------------------------------------------- bit depths and modes
+
+
+def encode(array: np.ndarray, fmt: str, mode: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    (Image.fromarray(array) if mode is None else Image.fromarray(array).convert(mode)).save(buf, fmt)
+    return buf.getvalue()
+
+
+GRADIENT16 = (np.arange(30 * 40, dtype=np.int64).reshape(30, 40) * 65535 // (30 * 40 - 1)).astype(np.uint16)
+
+
+def test_16bit_grayscale_png_is_scaled_by_1_over_257(tmp_path):
+    path = tmp_path / "g16.png"
+    path.write_bytes(encode(GRADIENT16, "PNG"))
+    assert Image.open(path).mode == "I;16"
+    image = load_image(str(path))
+    assert image.dtype == np.uint8 and image.shape == (30, 40, 3)
+    expected = np.floor(GRADIENT16.astype(np.float64) / 257 + 0.5).astype(np.uint8)
+    np.testing.assert_array_equal(image[..., 0], expected)
+    assert (image[..., 0] == image[..., 2]).all()
+    assert image.min() == 0 and image.max() == 255  # full range, not the clipped all-255 image
+
+
+def test_16bit_rgb_png_keeps_its_range(tmp_path):
+    rgb16 = np.stack([GRADIENT16, GRADIENT16[::-1], np.full_like(GRADIENT16, 40000)], axis=2)
+    path = tmp_path / "rgb16.png"
+    ok, enc = cv2.imencode(".png", rgb16[..., ::-1])  # PIL cannot write 48-bit PNGs; OpenCV writes BGR
+    assert ok
+    path.write_bytes(enc.tobytes())
+    image = load_image(str(path)).astype(np.int64)
+    expected = rgb16.astype(np.float64) / 257
+    assert np.abs(image - expected).max() <= 1.0  # PIL keeps the high byte: v >> 8, within 1 of v / 257
+    assert image[..., 0].min() == 0 and image[..., 0].max() == 255
+
+
+@pytest.mark.parametrize("mode", ["I", "F"])
+def test_32bit_integer_and_float_images_are_refused(tmp_path, mode):
+    array = GRADIENT16.astype(np.int32 if mode == "I" else np.float32)
+    path = tmp_path / f"im_{mode}.tif"
+    path.write_bytes(encode(array, "TIFF"))
+    assert Image.open(path).mode == mode
+    with pytest.raises(DataError, match=rf"image file .*im_{mode}\.tif \(image_id 3\) has 32-bit .* pixels "
+                                        rf"\(mode {mode}\) with no defined 8-bit scale"):
+        load_image(str(path), 3)
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "LA", "RGBA", "CMYK", "1"])
+def test_8bit_modes_convert_like_pil(tmp_path, mode):
+    rng = np.random.default_rng(0)
+    source = Image.fromarray(rng.integers(0, 255, (30, 40, 3), dtype=np.uint8)).convert(mode)
+    fmt = "JPEG" if mode == "CMYK" else "PNG"
+    path = tmp_path / f"im.{fmt.lower()}"
+    source.save(path, fmt)
+    with Image.open(path) as img:
+        assert img.mode == mode
+        expected = np.asarray(img.convert("RGB"))
+    image = load_image(str(path))
+    assert image.shape == (30, 40, 3) and image.dtype == np.uint8
+    np.testing.assert_array_equal(image, expected)
+    assert image.std() > 10  # not blank
+
+
+def test_16bit_png_trains_as_a_scaled_image(tmp_path):
+    """Issue 10 test 4: a 16-bit PNG goes through the training transforms and the tiny
+    model as an image with the full 0..255 range, and gives finite losses."""
+    img_dir, ann = write_coco(tmp_path, "g16.png")
+    (img_dir / "g16.png").write_bytes(encode(GRADIENT16, "PNG"))
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
+        "data.format=coco", f"data.train.root={img_dir}", f"data.train.ann_file={ann}",
+        "input.min_size_train=[60]", "input.max_size_train=96", "input.hflip_prob=0"])
+    image, target = build_dataset(cfg, "train", is_train=True)[0]
+    assert image.dtype == torch.uint8 and image.shape == (3, 60, 80)
+    assert image.min() <= 2 and image.max() >= 253 and len(image.unique()) > 100
+    from detector.modeling import build_model
+
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    losses = model([image], [target])
+    assert all(torch.isfinite(v) for v in losses.values()), losses
+
+
+def test_check_dataset_decodes_16bit_and_reports_float_images(tmp_path):
+    img_dir, ann = write_coco(tmp_path, "g16.png")
+    (img_dir / "g16.png").write_bytes(encode(GRADIENT16, "PNG"))
+    assert check_dataset(coco_cfg(img_dir, ann)).ok
+    (img_dir / "g16.png").write_bytes(encode(GRADIENT16.astype(np.float32), "TIFF"))
+    report = check_dataset(coco_cfg(img_dir, ann))
+    assert report.unreadable_files == [str(img_dir / "g16.png")]
+    assert "(mode F) with no defined 8-bit scale" in report.errors[0]
+
+
+# ----------------------------------------------------------------------------- VOC coordinates and check_dataset's header
+
+
+def make_voc(tmp: Path, coords=("174.5", "20", "190", "40.25")) -> Path:
+    root = tmp / "VOCdevkit" / "VOC2012"
+    for sub in ("JPEGImages", "Annotations", "ImageSets/Main"):
+        (root / sub).mkdir(parents=True)
+    Image.fromarray(np.full((50, 200, 3), 90, np.uint8)).save(root / "JPEGImages" / "2008_000001.jpg")
+    x1, y1, x2, y2 = coords
+    (root / "Annotations" / "2008_000001.xml").write_text(
+        "<annotation><size><width>200</width><height>50</height></size>"
+        f"<object><name>cat</name><bndbox><xmin>{x1}</xmin><ymin>{y1}</ymin><xmax>{x2}</xmax><ymax>{y2}</ymax>"
+        "</bndbox></object><object><name>dog</name><bndbox><xmin>1</xmin><ymin>1</ymin><xmax>9</xmax>"
+        "<ymax>9</ymax></bndbox></object></annotation>")
+    (root / "ImageSets" / "Main" / "train.txt").write_text("2008_000001\n")
+    return root
+
+
+def test_voc_non_integer_coordinates_are_accepted_and_counted(tmp_path, caplog):
+    root = make_voc(tmp_path)
+    with caplog.at_level(logging.INFO, logger="detector.data.datasets"):
+        ds = VOCDetection(root, "train", class_names=["cat", "dog"])
+    torch.testing.assert_close(ds.get_annotation(0)["boxes"][0], torch.tensor([173.5, 19.0, 190.0, 40.25]))
+    assert ds.num_non_integer_boxes == 1
+    assert "1 objects have non-integer <bndbox> coordinates" in caplog.text
+    cfg = load_config(None, ["data.format=voc", f"data.train.root={root}", "data.class_names=[cat,dog]"])
+    report = check_dataset(cfg)
+    assert report.ok and report.num_boxes == 2 and report.non_integer_boxes == 1
+    text = format_report(report)
+    assert "boxes with non-integer coordinates (accepted as floats): 1" in text
+    assert "2008_000001.xml: object 0: non-integer coordinates [174.5, 20, 190, 40.25]" in text
+
+
+def test_check_dataset_header_names_the_files_it_reads(tmp_path, capsys):
+    root = make_voc(tmp_path, coords=("1", "2", "30", "40"))
+    # The VOC config extends a base whose data.*.ann_file may name a COCO file: not read for VOC.
+    overrides = [f"data.train.root={root}", "data.train.split=train", "data.class_names=[cat,dog]",
+                 "model.num_classes=2"]
+    cfg = load_config(ROOT / "configs" / "faster_rcnn_r50_fpn_voc.yaml", overrides)
+    header = format_report(check_dataset(cfg)).splitlines()[0]
+    assert header == f"data set: VOC year folder {root}: ImageSets/Main/train.txt, Annotations/*.xml, JPEGImages/"
+    cfg = load_config(ROOT / "configs" / "faster_rcnn_r50_fpn_voc.yaml", overrides + ["data.train.split=nope"])
+    text = format_report(check_dataset(cfg))
+    assert text.splitlines()[0].endswith("ImageSets/Main/nope.txt, Annotations/*.xml, JPEGImages/")
+    assert ".json" not in text and "VOC split file not found" in text
+    img_dir, ann = write_coco(tmp_path / "coco", "ok.jpg")
+    assert format_report(check_dataset(coco_cfg(img_dir, ann))).splitlines()[0] == \
+        f"data set: COCO {ann}, images in {img_dir}"
+
+
+# ----------------------------------------------------------------------------- help texts
+
+
+@pytest.mark.parametrize("tool", ["eval", "infer", "train", "benchmark", "check_dataset", "split_dataset"])
+def test_tool_help_is_clean_text(tool, capsys):
+    module = load_tool(tool)
+    with pytest.raises(SystemExit) as exit_info:
+        (module.parse_args if hasattr(module, "parse_args") else module.main)(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and "::" not in text, text  # no reST markup
+    for line in text.splitlines():
+        # a backslash only as a shell line continuation, followed by its continued line
+        assert "\\" not in line.rstrip()[:-1], line
+        if "python " in line or "torchrun " in line:  # a command line: one command, not two joined
+            assert "    " not in line.strip().split("#")[0].strip(), f"lost line continuation: {line!r}"
+    if tool == "check_dataset":
+        assert "which of data.train / data.val to check" in text
+
+
+# ----------------------------------------------------------------------------- infer.py skips unreadable images
+
+
+def test_infer_skips_unreadable_images_and_names_them(tmp_path, capsys):
+    cfg_args = ["input.min_size_test=64", "input.max_size_test=96"]
+    torch.manual_seed(0)
+    from detector.modeling import build_model
+
+    model = build_model(load_config(ROOT / "configs" / "tiny_cpu.yaml", cfg_args))
+    torch.save(model.state_dict(), tmp_path / "w.pth")
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(inputs / "a.jpg")
+    (inputs / "b_broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    Image.fromarray(rng.integers(0, 255, (70, 50, 3), dtype=np.uint8)).save(inputs / "c.png")
+    out = tmp_path / "out"
+    rc = load_tool("infer").main(["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights",
+                                  str(tmp_path / "w.pth"), "--input", str(inputs), "--output-dir", str(out), *cfg_args])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert sorted(p.name for p in out.glob("*.png")) == ["a.png", "c.png"]
+    records = json.loads((out / "detections.json").read_text())
+    assert [Path(r["file"]).name for r in records] == ["a.jpg", "c.png"]
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "skipped 1 unreadable image(s)" in errors[0]
+    assert f"cannot decode image file {inputs / 'b_broken.jpg'}" in errors[0]
+    assert "Traceback" not in captured.out + captured.err
