@@ -24,7 +24,7 @@ WORKER = textwrap.dedent("""
     import json, os, sys
     import torch
     from detector.config import load_config
-    from detector.engine.distributed import init_distributed
+    from detector.distributed import init_distributed
     from detector.engine.log import setup_logging
     from detector.engine.trainer import Trainer
     from detector.modeling import build_model

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from detector.config import load_config
-from detector.engine.distributed import seed_everything
+from detector.distributed import seed_everything
 from detector.engine.optim import build_optimizer
-from detector.engine.trainer import Trainer, WeightsError, load_initial_weights
+from detector.engine.trainer import Trainer
+from detector.modeling.weights import WeightsError, load_initial_weights
 from detector.modeling import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def test_checkpoint_of_other_class_count_keeps_fresh_predictor(tmp_path, caplog)
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml",
                       _overrides(data, tmp_path / "ft") + [f"model.weights={ckpt}", "model.num_classes=3"])
-    with caplog.at_level(logging.INFO, logger="detector.engine"):
+    with caplog.at_level(logging.INFO, logger="detector"):
         t = Trainer(cfg)
     state = t.model_without_ddp.state_dict()
     body = [k for k in state if k.startswith(("backbone.", "rpn."))]
@@ -93,7 +94,7 @@ def test_bad_weight_sources_are_one_line_errors(tmp_path):
     with pytest.raises(WeightsError, match=r"unknown torchvision weights name 'FasterRCNN_ResNet50_FPN_Weights.NOPE'"):
         load_initial_weights(model, "FasterRCNN_ResNet50_FPN_Weights.NOPE")
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
-    with pytest.raises(WeightsError, match=r"cannot read .*junk.pth"):
+    with pytest.raises(WeightsError, match=r"^model.weights: .*junk.pth: not a PyTorch weights file"):
         load_initial_weights(model, str(tmp_path / "junk.pth"))
 
 

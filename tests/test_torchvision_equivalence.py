@@ -15,7 +15,7 @@ from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 from torchvision.ops import FrozenBatchNorm2d
 
 from detector.config import load_config
-from detector.engine.checkpoint import load_weights
+from detector.modeling.weights import load_weights
 from detector.modeling import build_model
 
 OVERRIDES = ["roi_heads.score_thresh=0.0", "model.norm_eps=1e-5"]  # torchvision without weights: eps 1e-5

@@ -6,12 +6,17 @@ import pytest
 import torch
 
 from detector.config import load_config
-from detector.engine.checkpoint import LoadReport, load_weights
+from detector.modeling.weights import LoadReport, WeightsError, load_weights
 from detector.modeling import build_model
 
 
 def tiny(repo_root, *overrides):
     return build_model(load_config(repo_root / "configs" / "tiny_cpu.yaml", list(overrides)))
+
+
+def tiny_seeded(repo_root, seed, *overrides):
+    torch.manual_seed(seed)
+    return tiny(repo_root, *overrides)
 
 
 def assert_same_weights(a, b, skip=()):
@@ -34,9 +39,12 @@ def test_module_prefix_and_training_checkpoint_file(repo_root, tmp_path):
     assert not report.missing and not report.unexpected and not report.skipped
     assert len(report.loaded) == len(src.state_dict())
     assert_same_weights(src, dst)
-    # A plain state dict works too, and so does build_model(model.weights=path).
+    # A plain state dict works too; build_model itself never loads model.weights.
     torch.save(src.state_dict(), tmp_path / "plain.pth")
+    torch.manual_seed(1)
     built = tiny(repo_root, f"model.weights={tmp_path / 'plain.pth'}")
+    assert_same_weights(tiny_seeded(repo_root, 1), built)
+    load_weights(built, tmp_path / "plain.pth", strict=True)
     assert_same_weights(src, built)
 
 
@@ -100,8 +108,34 @@ def test_reports_missing_unexpected_and_shape_errors(repo_root, tmp_path):
     state["rpn.head.bbox_pred.weight"] = torch.zeros(4, 64, 1, 1)
     with pytest.raises(ValueError, match="rpn.head.bbox_pred.weight"):
         load_weights(tiny(repo_root), state)
-    with pytest.raises(FileNotFoundError, match="nope.pth"):
+    with pytest.raises(WeightsError, match="nope.pth: no such file"):
         load_weights(model, tmp_path / "nope.pth")
     torch.save([1, 2, 3], tmp_path / "list.pth")
     with pytest.raises(ValueError, match="not a state dict"):
         load_weights(model, tmp_path / "list.pth")
+
+
+def test_strict_refuses_missing_unexpected_and_other_class_counts(repo_root):
+    model = tiny(repo_root)
+    state = dict(model.state_dict())
+    del state["rpn.head.cls_logits.bias"]
+    state["something.else"] = torch.zeros(2)
+    with pytest.raises(WeightsError, match=r"^run.pth: does not fit the model .*1 model keys missing from the file, "
+                                           r"e.g. \['rpn.head.cls_logits.bias'\].*1 file keys not in the model"):
+        load_weights(tiny(repo_root), state, strict=True, name="run.pth")
+    other = tiny(repo_root, "model.num_classes=7").state_dict()
+    with pytest.raises(WeightsError, match="predictor has 8 classes .* the model 4; set model.num_classes"):
+        load_weights(tiny(repo_root), other, strict=True)
+
+
+def test_wrong_architecture_names_the_first_mismatched_keys_and_shapes(repo_root, tmp_path):
+    wide = tiny(repo_root, "model.fpn_channels=32")
+    torch.save({"model": wide.state_dict()}, tmp_path / "wide.pth")
+    with pytest.raises(WeightsError) as e:
+        load_weights(tiny(repo_root), tmp_path / "wide.pth")
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / 'wide.pth'}: does not fit the model") and "\n" not in msg
+    assert "tensors differ in shape, e.g. backbone.fpn." in msg and "[32," in msg and "in the model" in msg
+    torch.save({"conv.weight": torch.zeros(3, 3)}, tmp_path / "alien.pth")
+    with pytest.raises(WeightsError, match="alien.pth: does not fit the model .*file keys not in the model"):
+        load_weights(tiny(repo_root), tmp_path / "alien.pth")

@@ -96,8 +96,8 @@ def score_file(args: argparse.Namespace) -> int:
 def run_model(args: argparse.Namespace) -> int:
     """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
     from detector.data import build_dataset
-    from detector.engine.checkpoint import load_weights
-    from detector.engine.distributed import cleanup, init_distributed
+    from detector.modeling.weights import load_weights
+    from detector.distributed import cleanup, init_distributed
     from detector.engine.log import setup_logging
     from detector.evaluation import evaluate
     from detector.modeling import build_model
@@ -107,7 +107,7 @@ def run_model(args: argparse.Namespace) -> int:
     try:
         setup_logging(args.output_dir, rank=info.rank)
         model = build_model(cfg)
-        load_weights(model, args.weights)
+        load_weights(model, args.weights, strict=True)
         model.to(info.device)
         dataset = build_dataset(cfg, "val", is_train=False)
         evaluate(model, dataset, cfg, output_dir=args.output_dir)

@@ -61,8 +61,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         from detector.data.transforms import build_transforms
-        from detector.engine.checkpoint import load_weights
-        from detector.engine.distributed import resolve_device
+        from detector.modeling.weights import load_weights
+        from detector.distributed import resolve_device
         from detector.evaluation.predict import list_images, predict_files
         from detector.evaluation.scoring import write_json
         from detector.modeling import build_model
@@ -71,7 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         paths = list_images(args.input)
         device = resolve_device(cfg.train.device)
         model = build_model(cfg)
-        load_weights(model, args.weights)
+        load_weights(model, args.weights, strict=True)
         model.to(device).eval()
         records, skipped = predict_files(
             model,

@@ -26,10 +26,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from detector.config import ConfigError, load_config  # noqa: E402
-from detector.engine import distributed  # noqa: E402
+from detector import distributed  # noqa: E402
 from detector.engine.checkpoint import CheckpointError  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
-from detector.engine.trainer import NonFiniteLossError, Trainer, WeightsError  # noqa: E402
+from detector.engine.trainer import NonFiniteLossError, Trainer  # noqa: E402
+from detector.modeling.weights import WeightsError  # noqa: E402
 
 logger = logging.getLogger("detector.tools.train")
 

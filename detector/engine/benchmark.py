@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from detector.config import Config, config_to_dict
-from detector.engine.distributed import resolve_device
+from detector.distributed import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -548,7 +548,7 @@ def make_trainer_step(model: nn.Module, cfg: Config, device: torch.device, outpu
     """
     import dataclasses
 
-    from detector.engine.distributed import DistInfo
+    from detector.distributed import DistInfo
     from detector.engine.trainer import Trainer
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=output_dir, tensorboard=False))

@@ -36,8 +36,7 @@ from torch import nn
 
 from detector.config import Config, config_from_dict, config_to_dict, config_to_yaml, save_config
 from detector.engine import checkpoint as ckpt
-from detector.engine.checkpoint import WeightsError, load_initial_weights  # noqa: F401 (public here too)
-from detector.engine.distributed import (
+from detector.distributed import (
     DistInfo,
     barrier,
     init_distributed,
@@ -51,6 +50,7 @@ from detector.engine.log import (
     peak_memory_mb,
 )
 from detector.engine.optim import build_lr_scheduler, build_optimizer
+from detector.modeling.weights import load_initial_weights, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +164,7 @@ class Trainer:
         if model is None:
             from detector.modeling import build_model
 
-            # build_model would load model.weights itself; load them here instead, for
-            # the one-line offline message and the skipped-keys log.
-            model = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights="")))
+            model = build_model(cfg)
             if cfg.model.weights:
                 load_initial_weights(model, cfg.model.weights)
         model = apply_norm_policy(model, cfg, self.device, self.world_size)
@@ -262,11 +260,11 @@ class Trainer:
         return path
 
     def _load_resume(self, path: Path) -> None:
-        state = ckpt.load_checkpoint(path, map_location="cpu")
+        state = ckpt.load_checkpoint(path)
         missing = [k for k in ("model", "optimizer", "scheduler", "iteration") if k not in state]
         if missing:
             raise ckpt.CheckpointError(f"{path} is not a training checkpoint (no {', '.join(missing)}); use --weights for weights only")
-        self.model_without_ddp.load_state_dict(state["model"])
+        load_weights(self.model_without_ddp, state["model"], strict=True, name=str(path))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") and self.scaler.is_enabled():
@@ -299,7 +297,7 @@ class Trainer:
         """Everything needed to resume, as tensors and plain data."""
         rng = ckpt.get_rng_state()
         if self.world_size > 1:
-            from detector.engine.distributed import all_gather_object
+            from detector.distributed import all_gather_object
 
             per_rank = all_gather_object(rng)
         else:
@@ -627,7 +625,7 @@ class Trainer:
         """Rank 0's ``value`` on every rank."""
         if self.world_size == 1:
             return value
-        from detector.engine.distributed import all_gather_object
+        from detector.distributed import all_gather_object
 
         return all_gather_object(value)[0]
 

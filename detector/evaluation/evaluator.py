@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..engine.distributed import all_gather_object, get_rank, get_world_size
+from ..distributed import all_gather_object, get_rank, get_world_size
 from .inference import LOSS_NAMES, array_to_results, compute_val_loss, run_inference
 from .scoring import format_table, score_detections, write_outputs
 

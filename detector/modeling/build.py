@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 from ..config import Config
 from .anchors import AnchorGenerator
 from .backbone import build_resnet_fpn
@@ -11,15 +9,14 @@ from .faster_rcnn import FasterRCNN
 from .roi_heads import FastRCNNPredictor, MultiLevelRoIAlign, ROIHeads, TwoMLPHead
 from .rpn import RegionProposalNetwork, RPNHead
 
-logger = logging.getLogger(__name__)
-
 
 def build_model(cfg: Config) -> FasterRCNN:
     """Build the detector described by ``cfg.model``, ``cfg.rpn`` and ``cfg.roi_heads``.
 
-    The model is on the CPU; the caller moves it. If ``cfg.model.weights`` names a local
-    file or a torchvision weights name (e.g. ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1``),
-    those weights are loaded (see ``detector.engine.checkpoint.load_weights``).
+    The model is on the CPU, freshly initialised (apart from ``model.backbone_weights``);
+    the caller moves it and loads weights explicitly: ``cfg.model.weights`` through
+    ``detector.modeling.weights.load_initial_weights`` (training), or a checkpoint through
+    ``load_weights`` (evaluation, inference).
     """
     m, r, h = cfg.model, cfg.rpn, cfg.roi_heads
     if m.num_classes < 1:
@@ -82,16 +79,5 @@ def build_model(cfg: Config) -> FasterRCNN:
         detections_per_img=h.detections_per_img,
         min_box_size=h.min_box_size,
     )
-    model = FasterRCNN(backbone, rpn, roi_heads, m.pixel_mean, m.pixel_std, m.size_divisibility,
-                       canvas_sizes=m.canvas_sizes)
-    if m.weights:
-        _load_model_weights(model, m.weights)
-    return model
-
-
-def _load_model_weights(model: FasterRCNN, source: str) -> None:
-    """Load ``model.weights``: a local checkpoint or state dict, or a torchvision weights
-    name; a failure is a one-line ``WeightsError`` (see ``load_initial_weights``)."""
-    from ..engine.checkpoint import load_initial_weights  # engine depends on modeling, not the reverse
-
-    load_initial_weights(model, source)
+    return FasterRCNN(backbone, rpn, roi_heads, m.pixel_mean, m.pixel_std, m.size_divisibility,
+                      canvas_sizes=m.canvas_sizes)

@@ -1,0 +1,344 @@
+"""Reading weight files and loading state dicts into a model.
+
+One safe file reader, ``read_weights_file(path)``, serves training (``--resume`` and
+``model.weights``), evaluation, inference and the benchmark. It always uses
+``torch.load(weights_only=True)`` and turns every way a file can be wrong (missing,
+empty, truncated, corrupt, a pickle of other Python objects, not a dict) into one
+``WeightsError`` line that names the file. It never passes on torch's own advice to
+retry with ``weights_only=False``.
+
+``load_weights(model, source)`` loads a state dict from a file or a dict into a model,
+tolerating the usual differences between checkpoints and models:
+
+- a ``module.`` (DDP) or ``_orig_mod.`` (torch.compile) prefix is stripped;
+- ``num_batches_tracked`` buffers may be missing or extra;
+- torchvision's pre-v2 key names are renamed (``rpn.head.conv.weight`` ->
+  ``rpn.head.conv.0.0.weight``, ``backbone.fpn.inner_blocks.i.weight`` ->
+  ``backbone.fpn.inner_blocks.i.0.weight``, likewise ``layer_blocks``);
+- a predictor with a different number of classes is not loaded: the model keeps its
+  freshly initialised ``roi_heads.box_predictor`` (fine-tuning on another data set);
+- ``pixel_mean`` / ``pixel_std`` absent from the source (torchvision) keep the config's.
+
+Any other shape mismatch is a ``WeightsError`` naming the first mismatched keys and
+their shapes. With ``strict=True`` (evaluation, inference, resume) missing or unexpected
+keys and a predictor of another class count are errors too.
+
+``load_initial_weights(model, source)`` resolves ``model.weights``: a local file or a
+torchvision weights name such as ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torchvision.models import get_weight
+
+logger = logging.getLogger(__name__)
+
+PREDICTOR_PREFIX = "roi_heads.box_predictor."
+_OPTIONAL_KEYS = ("pixel_mean", "pixel_std")
+_PRE_V2_RENAMES = [
+    (re.compile(r"^rpn\.head\.conv\.(weight|bias)$"), r"rpn.head.conv.0.0.\1"),
+    (re.compile(r"^backbone\.fpn\.(inner_blocks|layer_blocks)\.(\d+)\.(weight|bias)$"), r"backbone.fpn.\1.\2.0.\3"),
+]
+_SHOWN = 3  # mismatched keys named in a message
+
+
+class WeightsError(ValueError):
+    """A weights file or state dict that cannot be read or does not fit the model.
+    The message is one line and names the file (or ``model.weights``)."""
+
+
+@dataclass
+class LoadReport:
+    """What ``load_weights`` did.
+
+    Attributes:
+        loaded: model keys loaded from the source.
+        missing: model keys the source lacks (left as they were), ``num_batches_tracked``
+            and ``pixel_mean``/``pixel_std`` excluded.
+        unexpected: source keys the model lacks (ignored), ``num_batches_tracked`` excluded.
+        renamed: source key -> model key for pre-v2 torchvision names.
+        skipped: model keys deliberately not loaded (predictor with another class count).
+        notes: human-readable remarks.
+    """
+
+    loaded: List[str] = field(default_factory=list)
+    missing: List[str] = field(default_factory=list)
+    unexpected: List[str] = field(default_factory=list)
+    renamed: Dict[str, str] = field(default_factory=dict)
+    skipped: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line: counts, then the notes."""
+        text = (f"{len(self.loaded)} loaded, {len(self.missing)} missing, {len(self.unexpected)} unexpected, "
+                f"{len(self.renamed)} renamed, {len(self.skipped)} skipped")
+        if self.missing:
+            text += f"; missing e.g. {self.missing[:_SHOWN]}"
+        if self.unexpected:
+            text += f"; unexpected e.g. {self.unexpected[:_SHOWN]}"
+        return "; ".join([text, *self.notes])
+
+
+# --------------------------------------------------------------------------- reading files
+
+
+def _unpickling_refusal(path: Path, exc: pickle.UnpicklingError) -> WeightsError:
+    """Rephrase torch's weights-only refusal without its advice to turn the check off."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+    if found:
+        return WeightsError(
+            f"{path}: refused to load: the file holds Python objects, not only tensors and plain data "
+            f"(it needs {found.group(1)}); only weight files saved with torch.save of a state dict or "
+            "training checkpoint are read"
+        )
+    return WeightsError(f"{path}: not a PyTorch weights file (corrupt, or another format)")
+
+
+def read_weights_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """Read a weights file or training checkpoint safely.
+
+    Uses ``torch.load(path, map_location="cpu", weights_only=True)``: only tensors and
+    plain data are unpickled, never arbitrary Python objects.
+
+    Returns:
+        the dict stored in the file (a state dict, or a training checkpoint with a
+        ``model`` entry).
+
+    Raises:
+        WeightsError: one line naming the file: missing, a directory, empty, truncated,
+            corrupt or of another format, a pickle of other Python objects, or not a dict.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise WeightsError(f"{path}: no such file")
+    if not path.is_file():
+        raise WeightsError(f"{path}: not a file")
+    size = path.stat().st_size
+    if size == 0:
+        raise WeightsError(f"{path}: empty file (0 bytes), not a weights file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4 in the checkpoint"
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise _unpickling_refusal(path, exc) from None
+    except RuntimeError as exc:
+        if "zip archive" in str(exc) or "central directory" in str(exc):
+            raise WeightsError(f"{path}: truncated or corrupt weights file ({size} bytes; the zip archive "
+                               "is incomplete, e.g. a copy or save that stopped midway)") from None
+        raise WeightsError(f"{path}: not a PyTorch weights file (corrupt, or another format)") from None
+    except (EOFError, OSError, KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        kind = "truncated" if isinstance(exc, EOFError) else "corrupt, or another format"
+        raise WeightsError(f"{path}: not a PyTorch weights file ({kind})") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path}: holds a {type(data).__name__}, not a state dict (a mapping of names to tensors)")
+    return data
+
+
+def state_dict_from(data: Mapping[str, Any], where: str) -> Dict[str, Tensor]:
+    """The state dict inside ``data``: a training checkpoint's ``model`` (or
+    ``state_dict``) entry, or ``data`` itself. ``where`` names the source in errors.
+
+    Raises:
+        WeightsError: no tensors, or values that are not tensors.
+    """
+    for key in ("model", "state_dict"):  # a training checkpoint
+        if key in data and isinstance(data[key], Mapping):
+            data = data[key]
+            break
+    if not isinstance(data, Mapping):
+        raise WeightsError(f"{where}: holds a {type(data).__name__}, not a state dict (a mapping of names to tensors)")
+    others = [k for k, v in data.items() if not isinstance(v, Tensor)]
+    if not data or len(others) == len(data):
+        keys = list(data)[:_SHOWN]
+        raise WeightsError(f"{where}: not a state dict: it holds no tensors ({len(data)} entries, e.g. {keys})")
+    if others:
+        raise WeightsError(f"{where}: not a state dict: {len(others)} entries are not tensors, e.g. {others[:_SHOWN]}")
+    return dict(data)
+
+
+# --------------------------------------------------------------------------- loading into a model
+
+
+def _normalise_names(state: Mapping[str, Tensor], target: Mapping[str, Tensor],
+                     report: LoadReport) -> Dict[str, Tensor]:
+    """Strip ``module.`` / ``_orig_mod.`` prefixes and rename pre-v2 torchvision keys."""
+    renamed: Dict[str, Tensor] = {}
+    for key, value in state.items():
+        name = key
+        for prefix in ("module.", "_orig_mod."):
+            while name.startswith(prefix):
+                name = name[len(prefix):]
+        if name not in target:
+            for pattern, replacement in _PRE_V2_RENAMES:
+                new = pattern.sub(replacement, name)
+                if new != name and new in target:
+                    report.renamed[key] = new
+                    name = new
+                    break
+        renamed[name] = value
+    return renamed
+
+
+def _predictor_note(source: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> Optional[str]:
+    """A remark when the source predictor's shapes differ from the model's, else None."""
+    keys = [k for k in target if k.startswith(PREDICTOR_PREFIX)]
+    if not any(k in source and source[k].shape != target[k].shape for k in keys):
+        return None
+    cls = PREDICTOR_PREFIX + "cls_score.weight"
+    src_count = source[cls].shape[0] if cls in source else "?"
+    model_count = target[cls].shape[0] if cls in target else "?"
+    return (f"the source predictor has {src_count} classes (with background), the model {model_count}")
+
+
+def _mismatch_error(where: str, shapes: Sequence[Tuple[str, Sequence[int], Sequence[int]]],
+                    missing: Sequence[str], unexpected: Sequence[str]) -> WeightsError:
+    parts = []
+    if shapes:
+        shown = "; ".join(f"{k} {list(s)} in the file, {list(m)} in the model" for k, s, m in shapes[:_SHOWN])
+        parts.append(f"{len(shapes)} tensors differ in shape, e.g. {shown}")
+    if missing:
+        parts.append(f"{len(missing)} model keys missing from the file, e.g. {list(missing[:_SHOWN])}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} file keys not in the model, e.g. {list(unexpected[:_SHOWN])}")
+    return WeightsError(f"{where}: does not fit the model (another architecture or config?): " + "; ".join(parts))
+
+
+def load_weights(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, Any]], *,
+                 strict: bool = False, name: Optional[str] = None) -> LoadReport:
+    """Load weights from a file (read by ``read_weights_file``; a training checkpoint's
+    ``model`` entry is used) or a state dict into ``model``; see the module docstring.
+
+    Args:
+        model: the model to load into (in place).
+        source: a file path, or a state dict / training checkpoint dict.
+        strict: also refuse missing or unexpected keys and a predictor of another class
+            count (evaluation, inference and resume need the exact model).
+        name: how to name a dict source in messages (default "state dict").
+
+    Returns:
+        a ``LoadReport``; its summary is also logged.
+
+    Raises:
+        WeightsError: the file cannot be read, is not a state dict, or does not fit the
+            model; one line naming the source and the first mismatched keys and shapes.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        where = str(Path(source).expanduser())
+        data: Mapping[str, Any] = read_weights_file(source)
+    else:
+        where, data = name or "state dict", source
+    target = model.state_dict()
+    report = LoadReport()
+    state = _normalise_names(state_dict_from(data, where), target, report)
+
+    note = _predictor_note(state, target)
+    if note is not None:
+        if strict:
+            raise WeightsError(f"{where}: does not fit the model: {note}; set model.num_classes to match")
+        report.skipped = [k for k in target if k.startswith(PREDICTOR_PREFIX) and k in state]
+        report.notes.append(note + ": roi_heads.box_predictor keeps its fresh initialisation")
+
+    to_load: Dict[str, Tensor] = {}
+    shapes: List[Tuple[str, Sequence[int], Sequence[int]]] = []
+    for key, value in state.items():
+        if key not in target:
+            if not key.endswith("num_batches_tracked"):
+                report.unexpected.append(key)
+        elif key in report.skipped:
+            continue
+        elif value.shape != target[key].shape:
+            shapes.append((key, value.shape, target[key].shape))
+        else:
+            to_load[key] = value
+    for key in target:
+        if key in to_load or key in report.skipped or key.endswith("num_batches_tracked"):
+            continue
+        if key in _OPTIONAL_KEYS:
+            if key not in state:
+                report.notes.append(f"'{key}' not in the source: kept from the config")
+            continue
+        if not any(k == key for k, _, _ in shapes):
+            report.missing.append(key)
+    if shapes or not to_load or (strict and (report.missing or report.unexpected)):
+        raise _mismatch_error(where, shapes, report.missing, report.unexpected)
+
+    model.load_state_dict(to_load, strict=False)
+    report.loaded = sorted(to_load)
+    logger.info("weights loaded from %s: %s", where, report.summary())
+    return report
+
+
+# --------------------------------------------------------------------------- initial weights
+
+
+def _looks_like_torchvision_weights(source: str) -> bool:
+    head, dot, tail = source.partition(".")
+    return bool(dot) and head.endswith("_Weights") and tail.isidentifier() and "/" not in source
+
+
+def _torchvision_state_dict(source: str) -> Dict[str, Tensor]:
+    """Download (once, to ``$TORCH_HOME``) and return torchvision weights by name."""
+    try:
+        weights = get_weight(source)
+    except (ValueError, KeyError, AttributeError):
+        raise WeightsError(f"model.weights: unknown torchvision weights name {source!r}") from None
+    try:
+        return weights.get_state_dict(progress=False, check_hash=True)
+    except Exception as exc:  # noqa: BLE001 - URLError, OSError, RuntimeError (hash)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise WeightsError(
+            f"model.weights: cannot download torchvision weights {source!r} from {weights.url} "
+            f"({type(exc).__name__}: {reason}); when offline, put the file in "
+            f"{torch.hub.get_dir()}/checkpoints/ or pass a local path"
+        ) from None
+
+
+def load_initial_weights(model: nn.Module, source: str) -> LoadReport:
+    """Load ``model.weights``: a local file (our training checkpoint, whose ``model``
+    entry is used, or a plain state dict) or a torchvision weights name such as
+    ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` (downloaded to ``$TORCH_HOME`` once).
+
+    A predictor of another class count is skipped (fresh init) and reported. Returns the
+    ``LoadReport``.
+
+    Raises:
+        WeightsError: a missing or unreadable file, an unknown torchvision name, a
+            download that failed (offline), or weights that do not fit; one line
+            starting with ``model.weights:``.
+    """
+    path = Path(source).expanduser()
+    if path.exists():
+        try:
+            report = load_weights(model, path)
+        except WeightsError as exc:
+            raise WeightsError(f"model.weights: {exc}") from None
+        what = str(path)
+    elif _looks_like_torchvision_weights(source):
+        state = _torchvision_state_dict(source)
+        what = f"torchvision {source}"
+        try:
+            report = load_weights(model, state, name=what)
+        except WeightsError as exc:
+            raise WeightsError(f"model.weights: {exc}") from None
+    else:
+        raise WeightsError(
+            f"model.weights: {source!r} is neither an existing file nor a torchvision weights name "
+            "like 'FasterRCNN_ResNet50_FPN_Weights.COCO_V1'"
+        )
+    logger.info(
+        "initial weights from %s: %d tensors loaded; skipped (fresh init): %s; missing: %s; unexpected: %s",
+        what, len(report.loaded), report.skipped or "none", report.missing or "none", report.unexpected or "none",
+    )
+    return report
