@@ -1,4 +1,4 @@
-"""tools/benchmark.py and detector.engine.benchmark: JSON fields, sane values, the
+"""tools/benchmark.py and detector.benchmark: JSON fields, sane values, the
 torchvision counterpart's configuration, the scoring comparison, bad arguments."""
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from detector.config import load_config
-from detector.engine import benchmark as bm
+from detector.benchmark import run_benchmark
+from detector.benchmark.memory import measure_command_memory, peak_memory_bytes, reset_peak_memory
+from detector.benchmark.tasks import benchmark_eval
+from detector.benchmark.timing import summarize_times
+from detector.benchmark.torchvision_ref import build_torchvision_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -83,27 +87,27 @@ def test_train_json_tiny_config(tmp_path, restore_threads):
 
 def test_summarize_times_matches_numpy():
     times = [0.5, 0.1, 0.3, 0.2, 0.4]
-    s = bm.summarize_times(times, images_per_iter=2)
+    s = summarize_times(times, images_per_iter=2)
     assert s["median_s"] == 0.3 and s["min_s"] == 0.1 and s["max_s"] == 0.5
     assert math.isclose(s["images_per_s"], 2 / 0.3)
     assert math.isclose(s["std_s"], torch.tensor(times, dtype=torch.float64).std().item())
     assert math.isclose(s["iqr_s"], 0.4 - 0.2)
     with pytest.raises(ValueError, match="no timed iterations"):
-        bm.summarize_times([], 1)
+        summarize_times([], 1)
 
 
 def test_peak_rss_sees_an_allocation():
     dev = torch.device("cpu")
-    bm.reset_peak_memory(dev)
-    base = bm.peak_memory_bytes(dev)
+    reset_peak_memory(dev)
+    base = peak_memory_bytes(dev)
     x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    assert bm.peak_memory_bytes(dev) >= base + 50 * 2**20
+    assert peak_memory_bytes(dev) >= base + 50 * 2**20
     del x
 
 
 def test_torchvision_counterpart_matches_config():
     cfg = load_config(TINY, ["train.device=cpu"]) if TINY.exists() else load_config(None, ["model.backbone=resnet18"])
-    tv = bm.build_torchvision_model(cfg)
+    tv = build_torchvision_model(cfg)
     assert tv.rpn.anchor_generator.sizes == tuple(tuple(float(s) for s in lv) for lv in cfg.model.anchors.sizes)
     assert tv.rpn._pre_nms_top_n["training"] == cfg.rpn.pre_nms_topk_train
     assert tv.rpn._post_nms_top_n["testing"] == cfg.rpn.post_nms_topk_test
@@ -129,7 +133,7 @@ def test_torchvision_counterpart_matches_config():
 
 def test_eval_scoring_matches_pycocotools():
     cfg = load_config(None)
-    result = bm.benchmark_eval(cfg, iters=1, warmup=0, num_images=20, boxes_per_image=10)
+    result = benchmark_eval(cfg, iters=1, warmup=0, num_images=20, boxes_per_image=10)
     assert {"pycocotools_direct", "ours_pycocotools", "ours_all_metrics"} <= set(result["runs"])
     for name, diff in result["max_abs_diff_vs_pycocotools"].items():
         assert diff < 1e-9, name
@@ -140,18 +144,18 @@ def test_eval_scoring_matches_pycocotools():
 def test_bad_arguments_have_clear_messages():
     cfg = load_config(None)
     with pytest.raises(ValueError, match="--task must be one of"):
-        bm.run_benchmark(cfg, "fly")
+        run_benchmark(cfg, "fly")
     with pytest.raises(ValueError, match="--iters must be >= 1"):
-        bm.run_benchmark(cfg, "train", iters=0)
+        run_benchmark(cfg, "train", iters=0)
     with pytest.raises(ValueError, match="--compare-torchvision applies to --task train or infer"):
-        bm.run_benchmark(cfg, "eval", compare_torchvision=True)
+        run_benchmark(cfg, "eval", compare_torchvision=True)
 
 
 def test_command_memory_sees_the_child_allocation():
     import sys
 
     code = "import time; x = bytearray(200 * 2**20); x[::4096] = b'1' * len(x[::4096]); time.sleep(1.0)"
-    m = bm.measure_command_memory([sys.executable, "-c", code], interval_s=0.05)
+    m = measure_command_memory([sys.executable, "-c", code], interval_s=0.05)
     assert m["returncode"] == 0 and m["samples"] >= 3
     assert m["peak_tree_rss_bytes"] >= 190 * 2**20
     assert m["peak_tree_pss_bytes"] >= 190 * 2**20

@@ -5,6 +5,7 @@
         --compare-torchvision --synthetic input.min_size_test=512 input.max_size_test=683
     python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --iters 50 --json out.json
     python tools/benchmark.py --config configs/demo_shapes.yaml --task memory   # peak RSS of the demo run
+    python tools/benchmark.py --config C --task memory --command "python tools/eval.py --config C --weights W"
 
 Trailing key=value arguments override the config. See docs/performance.md.
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -24,7 +26,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from detector.config import load_config  # noqa: E402
-from detector.engine.benchmark import TASKS, format_summary, run_benchmark  # noqa: E402
+from detector.benchmark import TASKS, format_summary, run_benchmark  # noqa: E402
+
+TRAIN_PY = Path(__file__).resolve().parent / "train.py"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", help="eval: COCO results JSON matching --gt")
     p.add_argument("--eval-images", type=int, default=500, help="eval: images of the generated case (default 500)")
     p.add_argument("--eval-boxes", type=int, default=30, help="eval: objects and detections per image (default 30)")
+    p.add_argument("--command", help="memory: the command line to measure (default: tools/train.py "
+                                      "--config CONFIG with the overrides)")
     p.add_argument("--json", dest="json_out", help="write the full result here")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args(argv)
@@ -57,6 +63,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     cfg = load_config(args.config, args.overrides)
+    if args.command:
+        command = shlex.split(args.command)
+    else:
+        command = [sys.executable, str(TRAIN_PY), "--config", args.config, *args.overrides]
     result = run_benchmark(
         cfg,
         args.task,
@@ -75,6 +85,7 @@ def main(argv=None) -> int:
         overrides=args.overrides,
         torchvision_options=args.torchvision_options,
         threads=args.threads,
+        command=command,
     )
     print(format_summary(result))
     if args.json_out:

@@ -19,7 +19,6 @@ data pipeline, see docs/training.md).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os

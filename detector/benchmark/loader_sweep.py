@@ -1,7 +1,7 @@
 """Loader throughput benchmark (not a test): images per second delivered by
 ``build_train_loader`` for a config, with 0, 1 and 2 workers.
 
-    python -m detector.data.bench --workers 0 1 2 --batches 100 --repeats 3
+    python -m detector.benchmark.loader_sweep --workers 0 1 2 --batches 100 --repeats 3
 
 measures two cases: the demo's shapes set (``configs/demo_shapes.yaml`` input
 settings) and a COCO-format set of 640x480 JPEGs through the COCO-style train pipeline
@@ -21,9 +21,9 @@ import numpy as np
 from PIL import Image
 
 from detector.config import Config, load_config
-
-from .loader import build_train_loader, measure_loader_throughput
-from .shapes import generate_image
+from detector.data import build_dataset
+from detector.data.loader import build_train_loader, measure_loader_throughput
+from detector.data.shapes import generate_image
 
 
 def make_jpeg_coco_set(out: str | os.PathLike, num_images: int = 48, width: int = 640, height: int = 480,
@@ -56,8 +56,6 @@ def loader_throughput(cfg: Config, workers: Sequence[int], num_batches: int, war
     """``measure_loader_throughput`` of ``build_train_loader(cfg)`` for each worker count:
     the best of ``repeats`` runs (on a shared machine the best run is the one least
     disturbed by other processes), with the median alongside."""
-    from . import build_dataset
-
     dataset = build_dataset(cfg, "train", is_train=True)
     rows = []
     for n in workers:

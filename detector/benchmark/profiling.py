@@ -1,0 +1,75 @@
+"""``torch.profiler`` summary of one training step."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any, Dict, Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from detector.config import Config
+from detector.distributed import resolve_device
+
+from .batches import cached_batches
+from .steps import build_ours, build_train_optimizer, make_train_step, make_trainer_step
+from .timing import synchronize
+from .torchvision_ref import build_torchvision_model
+
+
+def profile_train_step(
+    cfg: Config,
+    warmup: int = 2,
+    row_limit: int = 10,
+    synthetic: bool = False,
+    torchvision_model: bool = False,
+    trace_path: Optional[str] = None,
+) -> Dict[str, Any]:
+    """``torch.profiler`` over one training step after ``warmup`` steps.
+
+    Returns ``top_ops``: the ``row_limit`` operators with the largest self time (CPU,
+    or CUDA on a GPU) as dicts (name, self/total time in ms, calls, share of the step),
+    and ``table``: the profiler's own text table.
+    """
+
+    device = resolve_device(cfg.train.device)
+    torch.manual_seed(cfg.train.seed)
+    batches = cached_batches(cfg, True, 2, synthetic, pin=device.type == "cuda")
+    tmp = tempfile.TemporaryDirectory(prefix="detector_bench_")
+    if torchvision_model:
+        model = build_torchvision_model(cfg).to(device)
+        model.train()
+        step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device, True)
+    else:
+        step, _ = make_trainer_step(build_ours(cfg, device), cfg, device, tmp.name)
+    for i in range(warmup):
+        step(batches[i % len(batches)])
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step(batches[0])
+        synchronize(device)
+    tmp.cleanup()
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = prof.key_averages()
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    rows = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:row_limit]
+    top = [
+        {
+            "name": e.key,
+            "self_ms": round(getattr(e, attr) / 1000.0, 3),
+            "total_ms": round(e.cpu_time_total / 1000.0, 3),
+            "calls": int(e.count),
+            "self_share": round(getattr(e, attr) / total, 4),
+        }
+        for e in rows
+    ]
+    return {
+        "model": "torchvision" if torchvision_model else "ours",
+        "step_self_ms": round(total / 1000.0, 3),
+        "top_ops": top,
+        "table": events.table(sort_by=sort_key, row_limit=row_limit),
+    }

@@ -1,0 +1,155 @@
+"""The entry point of ``tools/benchmark.py``: run one task, describe the machine and the
+options, and format a short summary."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from detector.config import Config, config_to_dict
+from detector.distributed import resolve_device
+
+from .memory import measure_command_memory
+from .profiling import profile_train_step
+from .tasks import benchmark_data, benchmark_eval, benchmark_model, benchmark_train_loader
+from .timing import machine_info
+
+TASKS = ("train", "infer", "data", "eval", "memory")
+
+
+def run_benchmark(
+    cfg: Config,
+    task: str,
+    iters: int = 10,
+    warmup: int = 3,
+    compare_torchvision: bool = False,
+    loader: bool = True,
+    synthetic: bool = False,
+    num_batches: int = 4,
+    profile: bool = False,
+    gt_file: Optional[str] = None,
+    results_file: Optional[str] = None,
+    config_path: Optional[str] = None,
+    overrides: Optional[List[str]] = None,
+    torchvision_options: bool = False,
+    threads: int = 0,
+    eval_images: int = 500,
+    eval_boxes: int = 30,
+    command: Optional[List[str]] = None,
+) -> Dict[str, Any]:
+    """Run one benchmark task and return its JSON-ready result.
+
+    Args:
+        task: ``train`` (cached batches, then the real loader unless ``loader=False``),
+            ``infer``, ``data`` (loader throughput) or ``eval`` (COCO scoring).
+        iters: timed iterations (>= 1); warmup: untimed ones before.
+        compare_torchvision: also time torchvision's FasterRCNN (train/infer).
+        synthetic: random batches at the input size instead of the configured data.
+        num_batches: distinct batches cached in memory and cycled through.
+        profile: add a ``torch.profiler`` summary of one training step (train only).
+        torchvision_options: give torchvision's model our ``train.*`` speed options too
+            (default: torchvision as it comes).
+        threads: ``torch.set_num_threads`` (0: leave PyTorch's default).
+        eval_images, eval_boxes: size of the generated case of ``task="eval"``.
+        command: ``task="memory"``: the command line whose process tree is measured.
+
+    Returns a dict with ``task``, ``config``, ``machine``, ``iters``, ``warmup``,
+    ``runs`` (name -> :func:`summarize_times` fields plus ``peak_memory_bytes``,
+    ``memory_kind``, ``times_s``) and, when compared, ``ratio`` (ours / torchvision,
+    images per second).
+    """
+    if task not in TASKS:
+        raise ValueError(f"--task must be one of {', '.join(TASKS)}; got {task!r}")
+    if iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {iters}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    if compare_torchvision and task not in ("train", "infer"):
+        raise ValueError(f"--compare-torchvision applies to --task train or infer, not {task!r}")
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+    device = resolve_device(cfg.train.device) if task in ("train", "infer") else torch.device("cpu")
+    result: Dict[str, Any] = {
+        "task": task,
+        "config": config_path,
+        "overrides": list(overrides or []),
+        "machine": machine_info(device),
+        "device": str(device),
+        "iters": iters,
+        "warmup": warmup,
+        "synthetic": synthetic,
+        "options": {
+            "channels_last": cfg.train.channels_last,
+            "cudnn_benchmark": cfg.train.cudnn_benchmark,
+            "compile_backbone": cfg.train.compile_backbone,
+            "amp": cfg.train.amp.enabled,
+            "amp_dtype": cfg.train.amp.dtype,
+        },
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    t0 = time.perf_counter()
+    if task in ("train", "infer"):
+        result.update(
+            benchmark_model(cfg, task, iters, warmup, compare_torchvision, num_batches, synthetic,
+                            torchvision_options=torchvision_options)
+        )
+        if task == "train" and loader and not synthetic:
+            result["runs"].update(benchmark_train_loader(cfg, iters, warmup)["runs"])
+        if task == "train" and profile:
+            result["profile"] = {"ours": profile_train_step(cfg, synthetic=synthetic)}
+            if compare_torchvision:
+                result["profile"]["torchvision"] = profile_train_step(cfg, synthetic=synthetic, torchvision_model=True)
+    elif task == "data":
+        result.update(benchmark_data(cfg, iters, warmup))
+    elif task == "memory":
+        if not command:
+            raise ValueError("--task memory needs the command to run (e.g. the training command line)")
+        result["memory"] = measure_command_memory(list(command))
+        result["runs"] = {}
+    else:
+        result.update(benchmark_eval(cfg, iters, warmup, gt_file, results_file, eval_images, eval_boxes))
+    result["wall_s"] = round(time.perf_counter() - t0, 3)
+    try:
+        result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        pass
+    result["config_resolved"] = config_to_dict(cfg)
+    return result
+
+
+def format_summary(result: Dict[str, Any]) -> str:
+    """A short human-readable table of a :func:`run_benchmark` result."""
+    lines = [f"task={result['task']} device={result['device']} iters={result['iters']} warmup={result['warmup']}"]
+    mem_unit = "MiB"
+    for name, r in result["runs"].items():
+        lines.append(
+            f"  {name:<20s} median {r['median_s'] * 1000:9.1f} ms/iter (cpu {r['cpu_median_s'] * 1000:9.1f})  (IQR {r['iqr_s'] * 1000:7.1f}, "
+            f"min {r['min_s'] * 1000:8.1f}, max {r['max_s'] * 1000:8.1f})  {r['images_per_s']:8.2f} images/s  "
+            f"peak {r['peak_memory_mib']:8.1f} {mem_unit} ({r['memory_kind']})"
+        )
+    if "ratio" in result:
+        lines.append(
+            f"  ours / torchvision images/s: {result['ratio']:.3f} (median of per-iteration pairs "
+            f"{result['ratio_pairwise_median']:.3f}; by CPU time {result['ratio_cpu_time']:.3f}; "
+            f"torchvision with {result['torchvision_options']})"
+        )
+    if "ratio_vs_pycocotools" in result:
+        for k, v in result["ratio_vs_pycocotools"].items():
+            lines.append(f"  {k} / pycocotools_direct speed: {v:.3f} (max |stat diff| {result['max_abs_diff_vs_pycocotools'][k]:.2e})")
+    if "memory" in result:
+        m = result["memory"]
+        lines.append(
+            f"  {' '.join(m['command'][1:])}: exit {m['returncode']}, {m['wall_s']:.0f} s, peak tree RSS "
+            f"{m['peak_tree_rss_bytes'] / 2**30:.2f} GiB, peak tree PSS {m['peak_tree_pss_bytes'] / 2**30:.2f} GiB, "
+            f"largest process {m['peak_largest_process_rss_bytes'] / 2**30:.2f} GiB"
+        )
+    for name, prof in (result.get("profile") or {}).items():
+        lines.append(f"  profile ({name}), one training step, top operators by self time:")
+        for op in prof["top_ops"]:
+            lines.append(f"    {op['name']:<45s} {op['self_ms']:9.2f} ms  {op['self_share'] * 100:5.1f}%  x{op['calls']}")
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""The timed steps: ours (the engine's training step), torchvision's training step as
+its references/detection loop runs it, and an inference batch."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from detector.config import Config
+from detector.distributed import DistInfo
+from detector.engine.optim import build_optimizer
+from detector.engine.trainer import Trainer
+from detector.modeling import build_model
+
+from .batches import Batch
+
+
+def build_ours(cfg: Config, device: torch.device) -> nn.Module:
+    model = build_model(cfg)
+    return model.to(device)
+
+
+def apply_speed_options(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
+    """The ``train.*`` speed options: ``channels_last`` (4-d weights in NHWC; convolutions
+    then keep activations NHWC), ``cudnn_benchmark`` (CUDA only) and ``compile_backbone``
+    (``torch.compile`` of ``model.backbone`` in place, so state-dict names stay)."""
+    if cfg.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = bool(cfg.train.cudnn_benchmark)
+    if cfg.train.compile_backbone:
+        backbone = getattr(model, "backbone", None)
+        if backbone is None:
+            raise ValueError("train.compile_backbone=true but the model has no 'backbone' attribute")
+        backbone.compile()
+    return model
+
+
+def _autocast(cfg: Config, device: torch.device):
+    if not cfg.train.amp.enabled:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if cfg.train.amp.dtype == "bfloat16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def build_train_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """The training optimizer (parameter groups and all), at the LR of the first
+    warm-up iteration so that a randomly initialised model does not diverge while timed."""
+
+    opt = build_optimizer(model, cfg)
+    for g in opt.param_groups:
+        g["lr"] = g["lr"] * cfg.solver.warmup_factor
+    return opt
+
+
+def _targets_to(targets: Sequence[Dict[str, Any]], device: torch.device) -> List[Dict[str, Any]]:
+    return [
+        {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
+        for t in targets
+    ]
+
+
+def _tv_images(images: Sequence[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+    """uint8 [3,H,W] -> float 0..1 on ``device`` (torchvision's input convention)."""
+    return [img.to(device, non_blocking=True).float().div_(255.0) for img in images]
+
+
+def make_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: Config,
+    device: torch.device,
+    torchvision_api: bool,
+) -> Callable[[Batch], Dict[str, torch.Tensor]]:
+    """One training step: forward (autocast if ``train.amp.enabled``), sum of losses,
+    backward, optimizer step, ``zero_grad(set_to_none=True)``. No host sync.
+
+    ``torchvision_api``: convert the uint8 images to float 0..1 on the device and move
+    the targets first (torchvision's convention); ours takes uint8 host tensors as they
+    come from the loader and moves them itself.
+    """
+    scaler = None
+    if cfg.train.amp.enabled and cfg.train.amp.dtype == "float16" and device.type == "cuda":
+        scaler = torch.amp.GradScaler(device.type)
+
+    def step(batch: Batch) -> Dict[str, torch.Tensor]:
+        images, targets = batch
+        if torchvision_api:
+            images = _tv_images(images, device)
+            targets = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
+            targets = _targets_to(targets, device)
+        with _autocast(cfg, device):
+            losses = model(images, targets)
+        loss = sum(v.float() for v in losses.values())
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if torchvision_api:
+            # torchvision's references/detection/engine.py reads the loss back every
+            # iteration (``loss_value = losses_reduced.item()``) to check it is finite.
+            float(loss.detach())
+        return losses
+
+    return step
+
+
+def make_trainer_step(model: nn.Module, cfg: Config, device: torch.device, output_dir: str) -> Tuple[Callable[[Batch], Any], nn.Module]:
+    """The project's real hot loop: ``Trainer.run_step`` (autocast, float32 loss sum,
+    GradScaler, gradient norm, the non-finite check with its one read-back, optimizer
+    and LR scheduler step). The Trainer applies the ``train.*`` speed options itself.
+
+    Returns ``(step, model as prepared by the Trainer)``. ``output_dir`` receives the
+    Trainer's config.yaml and an empty metrics.jsonl.
+    """
+
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=output_dir, tensorboard=False))
+    trainer = Trainer(cfg, dist_info=DistInfo(0, 1, 0, device), model=model, train_loader=[])
+
+    def step(batch: Batch) -> Any:
+        images, targets = batch
+        return trainer.run_step(images, targets)
+
+    step.trainer = trainer  # type: ignore[attr-defined]  # keeps its writers alive
+    return step, trainer.model
+
+
+def make_infer_step(model: nn.Module, cfg: Config, device: torch.device, torchvision_api: bool) -> Callable[[Batch], Any]:
+    """One inference batch under ``torch.inference_mode`` (autocast if ``eval.amp``)."""
+
+    def step(batch: Batch) -> Any:
+        images, _ = batch
+        with torch.inference_mode():
+            if torchvision_api:
+                images = _tv_images(images, device)
+            ctx = torch.autocast(device.type, dtype=torch.bfloat16 if device.type == "cpu" else torch.float16) if cfg.eval.amp else contextlib.nullcontext()
+            with ctx:
+                return model(images)
+
+    return step

@@ -1,0 +1,233 @@
+"""The timed tasks: the model (train or infer, against torchvision), the training step
+fed by the real loader, loader throughput, and COCO scoring."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from detector.config import Config
+from detector.data import build_dataset
+from detector.data.loader import build_train_loader
+from detector.distributed import resolve_device
+from detector.evaluation.coco import COCO_METRIC_NAMES, coco_evaluate
+from detector.evaluation.scoring import score_detections
+
+from .batches import cached_batches, cycle_epochs
+from .coco_case import generate_case, pycocotools_direct
+from .steps import apply_speed_options, build_ours, build_train_optimizer, make_infer_step, make_train_step, make_trainer_step
+from .timing import Runner, run_interleaved
+from .torchvision_ref import build_torchvision_model, copy_matching_weights
+
+logger = logging.getLogger(__name__)
+
+
+def _ratio(ours: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, float]:
+    """ours / torchvision in images per second, from medians and pair by pair."""
+    pairs = [b / a for a, b in zip(ours["times_s"], theirs["times_s"]) if a > 0]
+    return {
+        "ratio": ours["images_per_s"] / theirs["images_per_s"] if theirs["images_per_s"] > 0 else float("nan"),
+        "ratio_pairwise_median": float(np.median(pairs)) if pairs else float("nan"),
+        "ratio_cpu_time": theirs["cpu_median_s"] / ours["cpu_median_s"] if ours["cpu_median_s"] > 0 else float("nan"),
+    }
+
+
+def _model_info(model: nn.Module) -> Dict[str, int]:
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
+def benchmark_model(
+    cfg: Config,
+    task: str,
+    iters: int,
+    warmup: int,
+    compare_torchvision: bool,
+    num_batches: int = 4,
+    synthetic: bool = False,
+    same_weights: bool = True,
+    torchvision_options: bool = False,
+) -> Dict[str, Any]:
+    """Time the training step (``task="train"``) or inference (``"infer"``) of our
+    model on batches cached in memory, alternating with torchvision's if asked.
+
+    Ours trains through ``Trainer.run_step`` (the real hot loop, with the ``train.*``
+    speed options of ``cfg``); torchvision's through :func:`make_train_step`, at its
+    defaults unless ``torchvision_options`` (then with the same ``train.*`` options).
+    ``same_weights``: copy our weights into torchvision's model where names and shapes
+    match, so both see the same proposals and detections."""
+    device = resolve_device(cfg.train.device)
+    is_train = task == "train"
+    torch.manual_seed(cfg.train.seed)
+    batches = cached_batches(cfg, is_train, num_batches, synthetic, pin=device.type == "cuda")
+    ours = build_ours(cfg, device)
+    models: Dict[str, nn.Module] = {"ours": ours}
+    out: Dict[str, Any] = {"models": {"ours": _model_info(ours)}}
+    if compare_torchvision:
+        tv = build_torchvision_model(cfg).to(device)
+        if same_weights:
+            copied, total = copy_matching_weights(ours, tv)
+            out["torchvision_weights_copied"] = f"{copied}/{total}"
+        if torchvision_options:
+            tv = apply_speed_options(tv, cfg, device)
+        models["torchvision"] = tv
+        out["models"]["torchvision"] = _model_info(tv)
+    out["torchvision_options"] = "same as ours" if torchvision_options else "torchvision defaults"
+
+    runners = []
+    with tempfile.TemporaryDirectory(prefix="detector_bench_") as tmp:
+        for name, model in models.items():
+            tv_api = name == "torchvision"
+            if is_train and not tv_api:
+                step, models[name] = make_trainer_step(model, cfg, device, tmp)
+                out["ours_step"] = "detector.engine.trainer.Trainer.run_step"
+            elif is_train:
+                model.train()
+                step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device, tv_api)
+            else:
+                model = apply_speed_options(model, cfg, device) if not tv_api else model
+                model.eval()
+                step = make_infer_step(model, cfg, device, tv_api)
+
+            def fn(i: int, step=step) -> int:
+                batch = batches[i % len(batches)]
+                step(batch)
+                return len(batch[0])
+
+            runners.append(Runner(name, fn, device))
+        run_interleaved(runners, iters, warmup)
+    out["runs"] = {r.name: r.summary() for r in runners}
+    out["images_per_iter"] = out["runs"]["ours"]["images_per_iter"]
+    out["batch_shapes"] = [[list(img.shape) for img in b[0]] for b in batches]
+    if compare_torchvision:
+        out.update(_ratio(out["runs"]["ours"], out["runs"]["torchvision"]))
+    return out
+
+
+def benchmark_train_loader(cfg: Config, iters: int, warmup: int) -> Dict[str, Any]:
+    """The training step fed by the real loader (workers, pinned memory): time per
+    iteration including the wait for the next batch, and that wait alone."""
+
+    device = resolve_device(cfg.train.device)
+    torch.manual_seed(cfg.train.seed)
+    dataset = build_dataset(cfg, "train", is_train=True)
+    loader = build_train_loader(cfg, dataset, 0, 1)
+    tmp = tempfile.TemporaryDirectory(prefix="detector_bench_")
+    step, _ = make_trainer_step(build_ours(cfg, device), cfg, device, tmp.name)
+    waits: List[float] = []
+    batches = cycle_epochs(loader)
+
+    def fn(i: int) -> int:
+        t0 = time.perf_counter()
+        batch = next(batches)
+        if i >= warmup:
+            waits.append(time.perf_counter() - t0)
+        step(batch)
+        return len(batch[0])
+
+    runner = Runner("ours_loader", fn, device)
+    run_interleaved([runner], iters, warmup)
+    summary = runner.summary()
+    summary["data_wait_median_s"] = float(np.median(waits)) if waits else 0.0
+    summary["data_wait_max_s"] = float(np.max(waits)) if waits else 0.0
+    summary["num_workers"] = cfg.data.num_workers
+    batches.close()  # shuts the loader's workers down
+    tmp.cleanup()
+    return {"runs": {"ours_loader": summary}}
+
+
+def benchmark_data(cfg: Config, iters: int, warmup: int) -> Dict[str, Any]:
+    """Loader throughput: time per batch of ``build_train_loader`` (decoding, the
+    albumentations pipeline, collate, ``cfg.data.num_workers`` workers), no model."""
+
+    device = torch.device("cpu")
+    dataset = build_dataset(cfg, "train", is_train=True)
+    loader = build_train_loader(cfg, dataset, 0, 1)
+    batches = cycle_epochs(loader)
+
+    def fn(i: int) -> int:
+        images, _ = next(batches)
+        return len(images)
+
+    runner = Runner("loader", fn, device)
+    run_interleaved([runner], iters, warmup)
+    summary = runner.summary()
+    summary["num_workers"] = cfg.data.num_workers
+    summary["dataset_len"] = len(dataset)
+    batches.close()
+    return {"runs": {"loader": summary}, "images_per_iter": summary["images_per_iter"]}
+
+
+def benchmark_eval(
+    cfg: Config,
+    iters: int,
+    warmup: int,
+    gt_file: Optional[str] = None,
+    results_file: Optional[str] = None,
+    num_images: int = 500,
+    boxes_per_image: int = 30,
+) -> Dict[str, Any]:
+    """COCO scoring speed, interleaved: pycocotools called directly (the documented
+    sequence, ``coco_case.pycocotools_direct``) against our
+    ``coco_evaluate`` with each backend and ``score_detections`` (every metric: COCO,
+    VOC, IoU, confusion matrix). Inputs are a given gt/results pair or the evaluation
+    helper's synthetic COCO-like case (``generate_case``); fresh copies of them are made
+    outside the timed region. Checks that the 12 COCO numbers agree."""
+
+    device = torch.device("cpu")
+    if gt_file:
+        with open(gt_file) as f:
+            gt = json.load(f)
+        with open(results_file) as f:  # type: ignore[arg-type]
+            results = json.load(f)
+        source: Dict[str, Any] = {"gt": gt_file, "results": results_file}
+    else:
+        gt, results = generate_case(num_images, boxes_per_image, seed=cfg.train.seed)
+        source = {"generated_images": num_images, "boxes_per_image": boxes_per_image}
+    source.update(images=len(gt["images"]), gt_boxes=len(gt["annotations"]), detections=len(results))
+    n_img = len(gt["images"])
+    stats: Dict[str, np.ndarray] = {}
+    inputs: Dict[str, Any] = {}
+
+    def fresh(i: int) -> None:
+        inputs["gt"], inputs["results"] = copy.deepcopy(gt), copy.deepcopy(results)
+
+    def twelve(metrics: Dict[str, float]) -> np.ndarray:
+        return np.array([metrics[k] for k in COCO_METRIC_NAMES])
+
+    scorers: Dict[str, Callable[[Dict[str, Any], List[Dict[str, Any]]], np.ndarray]] = {
+        "pycocotools_direct": lambda g, r: np.asarray(pycocotools_direct(g, r))[:12],
+        "ours_pycocotools": lambda g, r: twelve(coco_evaluate(g, r, backend="pycocotools").metrics),
+    }
+    try:
+        import faster_coco_eval  # noqa: F401
+
+        scorers["ours_faster"] = lambda g, r: twelve(coco_evaluate(g, r, backend="faster").metrics)
+    except ImportError:
+        logger.warning("faster-coco-eval is not installed; timing the pycocotools backend only")
+    scorers["ours_all_metrics"] = lambda g, r: twelve(score_detections(g, r, backend=cfg.eval.backend).metrics)
+
+    runners = []
+    for name, scorer in scorers.items():
+        def run(i: int, name=name, scorer=scorer) -> int:
+            stats[name] = scorer(inputs["gt"], inputs["results"])
+            return n_img
+
+        runners.append(Runner(name, run, device, prepare=fresh))
+    run_interleaved(runners, iters, warmup)
+    out: Dict[str, Any] = {"runs": {r.name: r.summary() for r in runners}, "source": source, "images_per_iter": n_img}
+    ref = stats["pycocotools_direct"]
+    out["max_abs_diff_vs_pycocotools"] = {k: float(np.max(np.abs(v - ref))) for k, v in stats.items()}
+    ref_ips = out["runs"]["pycocotools_direct"]["images_per_s"]
+    out["ratio_vs_pycocotools"] = {k: r["images_per_s"] / ref_ips for k, r in out["runs"].items()}
+    return out
