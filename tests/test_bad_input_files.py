@@ -7,6 +7,8 @@ import importlib.util
 import io
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import cv2
@@ -65,6 +67,28 @@ def test_file_name_outside_the_image_root_is_an_error(tmp_path, name):
     report = check_dataset(coco_cfg(img_dir, ann))
     assert not report.ok and report.num_images == 0
     assert any(expected in e for e in report.errors), report.errors
+
+
+def test_file_name_outside_the_root_stops_the_tools(tmp_path, capsys):
+    img_dir, ann = write_coco(tmp_path, "../../x.jpg")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data:\n  format: coco\n  train: {{root: {img_dir}, ann_file: {ann}}}\n")
+    assert check_main(["--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "image_id 7: file_name '../../x.jpg' resolves outside the image root" in out
+
+
+@pytest.mark.slow  # a training process (model built, then the data set refused): ~10-15 s
+def test_train_tool_refuses_file_name_outside_the_root(tmp_path):
+    img_dir, ann = write_coco(tmp_path, "../../x.jpg")
+    data = [f"data.{s}.{k}={v}" for s in ("train", "val") for k, v in (("root", img_dir), ("ann_file", ann))]
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+                           "data.format=coco", *data, "model.num_classes=1", f"train.output_dir={tmp_path / 'run'}",
+                           "solver.max_iter=1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "image_id 7: file_name '../../x.jpg' resolves outside the image root" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr + proc.stdout
 
 
 def test_file_name_in_a_subfolder_is_fine(tmp_path):
