@@ -62,9 +62,11 @@ class AnchorGenerator(nn.Module):
 
     def grid_anchors(self, level: int, feature_size: Tuple[int, int], stride: Tuple[int, int],
                      device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``[H * W * A, 4]`` anchors of one level (cached)."""
+        """``[H * W * A, 4]`` anchors of one level (cached; not while tracing for export,
+        where the sizes and strides are 0-dim tensors that stay in the traced graph)."""
+        tracing = torch.jit.is_tracing()
         key = (level, feature_size, stride, device, dtype)
-        anchors = self._cache.get(key)
+        anchors = None if tracing else self._cache.get(key)
         if anchors is None:
             height, width = feature_size
             shifts_x = torch.arange(width, dtype=torch.int32, device=device) * stride[1]
@@ -74,6 +76,8 @@ class AnchorGenerator(nn.Module):
             shifts = torch.stack((shift_x, shift_y, shift_x, shift_y), dim=1).to(dtype)
             base = self.cell_anchors[level].to(device=device, dtype=dtype)
             anchors = (shifts[:, None, :] + base[None, :, :]).reshape(-1, 4)
+            if tracing:
+                return anchors
             if len(self._cache) > 64:  # many distinct image sizes: keep the cache bounded
                 self._cache.clear()
             self._cache[key] = anchors

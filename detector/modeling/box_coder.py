@@ -15,7 +15,7 @@ Widths are ``x2 - x1`` (no "+1").
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -91,3 +91,17 @@ class BoxCoder:
         half_h = 0.5 * (torch.exp(dh) * heights)
         boxes = torch.stack((pred_cx - half_w, pred_cy - half_h, pred_cx + half_w, pred_cy + half_h), dim=2)
         return boxes.flatten(1)
+
+
+def clip_boxes(boxes: Tensor, size: Tuple[Union[int, Tensor], Union[int, Tensor]]) -> Tensor:
+    """Clip ``[N, 4]`` x1y1x2y2 boxes to ``size = (height, width)`` pixels, as
+    ``torchvision.ops.clip_boxes_to_image`` does in eager mode (the same values).
+
+    While tracing for export the sizes are 0-dim tensors, and torchvision's function would
+    record them as constants; here they stay inputs of the traced graph, so an exported
+    model clips to each image's own size.
+    """
+    height, width = size
+    x = boxes[..., 0::2].clamp(min=0).clamp(max=width)
+    y = boxes[..., 1::2].clamp(min=0).clamp(max=height)
+    return torch.stack((x, y), dim=-1).reshape(boxes.shape)

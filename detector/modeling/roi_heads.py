@@ -12,9 +12,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.ops import batched_nms, box_area, clip_boxes_to_image
+from torchvision.ops import batched_nms, box_area
 
-from .box_coder import BoxCoder
+from .box_coder import BoxCoder, clip_boxes
 from .losses import weighted_smooth_l1
 from .matching import match_by_iou, sample_minibatch
 from .roi_align import roi_align
@@ -60,8 +60,7 @@ class MultiLevelRoIAlign(nn.Module):
 
     def forward(self, features: List[Tensor], boxes: List[Tensor]) -> Tensor:
         concat = torch.cat(boxes, dim=0)
-        batch_idx = torch.cat([torch.full((len(b), 1), i, dtype=concat.dtype, device=concat.device)
-                               for i, b in enumerate(boxes)])
+        batch_idx = torch.cat([torch.full_like(b[:, :1], i, dtype=concat.dtype) for i, b in enumerate(boxes)])
         rois = torch.cat((batch_idx, concat), dim=1)
         if len(features) == 1:
             return roi_align(features[0], rois, self.output_size, self.scales[0], self.sampling_ratio, self.aligned)
@@ -245,15 +244,15 @@ class ROIHeads(nn.Module):
         scores_all = F.softmax(class_logits.float(), dim=-1)
         deltas_all = box_deltas.float().view(-1, num_classes_with_bg, 4)
         results = []
-        for scores, deltas, props, size in zip(scores_all.split([len(p) for p in proposals]),
-                                               deltas_all.split([len(p) for p in proposals]),
+        counts = [p.shape[0] for p in proposals]  # tensor sizes, so that tracing keeps them dynamic
+        for scores, deltas, props, size in zip(scores_all.split(counts), deltas_all.split(counts),
                                                proposals, image_sizes):
             fg_scores = scores[:, 1:]  # [P, K]
             roi_idx, cls_idx = torch.where(fg_scores > self.score_thresh)
             labels = cls_idx + 1
             s = fg_scores[roi_idx, cls_idx]
             boxes = self.box_coder.decode(deltas[roi_idx, labels], props[roi_idx])
-            boxes = clip_boxes_to_image(boxes, size)
+            boxes = clip_boxes(boxes, size)
             w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
             keep = torch.where((w >= self.min_box_size) & (h >= self.min_box_size))[0]
             boxes, s, labels = boxes[keep], s[keep], labels[keep]

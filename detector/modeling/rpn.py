@@ -10,10 +10,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.ops import batched_nms, clip_boxes_to_image
+from torchvision.ops import batched_nms
 
 from .anchors import AnchorGenerator
-from .box_coder import BoxCoder
+from .box_coder import BoxCoder, clip_boxes
 from .losses import weighted_smooth_l1
 from .matching import Sample, match_by_iou, sample_minibatch
 
@@ -61,6 +61,15 @@ def flatten_head_outputs(logits: List[Tensor], deltas: List[Tensor]) -> Tuple[Li
         flat_logits.append(lg.permute(0, 2, 3, 1).reshape(n, -1))
         flat_deltas.append(dl.view(n, a, 4, h, w).permute(0, 3, 4, 1, 2).reshape(n, -1, 4))
     return flat_logits, flat_deltas
+
+
+def top_count(available: int, k: int) -> int:
+    """``min(k, available)``. While tracing for export ``available`` (a tensor size) is a
+    0-dim tensor; the minimum then stays in the traced graph instead of becoming a
+    constant of the example image's size."""
+    if torch.jit.is_tracing():
+        return torch.clamp(torch.as_tensor(available), max=k)  # type: ignore[return-value]
+    return min(k, available)
 
 
 def rpn_outside_weights(sample: Sample, positive_weight: float) -> Tensor:
@@ -159,7 +168,7 @@ class RegionProposalNetwork(nn.Module):
         num_images = logits[0].shape[0]
         all_boxes, all_scores, all_levels = [], [], []
         for level, (anc, lg, dl) in enumerate(zip(anchors, logits, deltas)):
-            k = min(pre_nms, lg.shape[1])
+            k = top_count(lg.shape[1], pre_nms)
             top_logits, top_idx = lg.detach().topk(k, dim=1)  # [N, k]
             top_deltas = torch.gather(dl.detach(), 1, top_idx[:, :, None].expand(-1, -1, 4)).float()  # [N, k, 4]
             top_anchors = anc[top_idx]  # [N, k, 4]
@@ -173,7 +182,7 @@ class RegionProposalNetwork(nn.Module):
 
         proposals = []
         for i, size in enumerate(image_sizes):
-            b = clip_boxes_to_image(boxes[i], size)
+            b = clip_boxes(boxes[i], size)
             s = scores[i]
             w, h = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
             keep = (w >= self.min_size) & (h >= self.min_size)
