@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -e ".[test]"
+	$(PIP) install -e ".[test,export]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,0 +1,248 @@
+"""Export a detector to TorchScript or ONNX, and check the file against the eager model.
+
+The exported graph is ``DetectorForExport``: one RGB image ``[3, H, W]`` in, the
+detections out, with the model's pre-processing (to float, normalise, pad to a multiple
+of ``size_divisibility``), RPN, RoI heads, post-processing and NMS inside. Both formats
+are produced by tracing (``torch.jit.trace``; ``torch.onnx.export(dynamo=False)``, the
+TorchScript-based exporter that torchvision's detection models use). The model code
+keeps every size that depends on the image as a tensor while tracing (see
+``box_coder.clip_boxes``, ``rpn.top_count``, ``AnchorGenerator.grid_anchors``), so the
+traced graph takes any image size and returns a variable number of detections.
+
+``verify_export`` runs the file (TorchScript in torch, ONNX in onnxruntime) on test
+images and matches its detections against the eager model's: the same count, and each
+eager detection paired with an exported one of the same label within ``box_tol`` pixels
+and ``score_tol``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .faster_rcnn import FasterRCNN
+
+FORMATS = ("torchscript", "onnx")
+INSTALL_HINT = "pip install -e \".[export]\""
+BOX_TOL = 1e-3  # pixels
+SCORE_TOL = 1e-4
+DEFAULT_OPSET = 17
+Detections = Tuple[Tensor, Tensor, Tensor]  # boxes [M, 4] float32, scores [M] float32, labels [M] int64
+
+
+class ExportError(RuntimeError):
+    """An export or parity-check failure, with a one-line message."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def image_to_float(image: Tensor) -> Tensor:
+    """uint8 0..255 -> float32 0..1; a float image (0..1) is only cast. The export wrapper
+    scripts it, so that a traced graph keeps the branch and takes either dtype."""
+    if image.dtype == torch.uint8:
+        return image.float() / 255.0
+    return image.float()
+
+
+class DetectorForExport(nn.Module):
+    """The eval-mode ``FasterRCNN`` for one image, in a traceable form.
+
+    Forward: ``image`` ``[3, H, W]`` RGB, uint8 0..255 or float 0..1 (the ONNX file fixes
+    uint8) -> ``(boxes [M, 4] float32 x1y1x2y2 in the image's pixels, scores [M] float32,
+    labels [M] int64 in 1..K)``, sorted by decreasing score. The same computation as
+    ``FasterRCNN.forward`` in eval mode on ``[image]``.
+    """
+
+    def __init__(self, model: FasterRCNN) -> None:
+        super().__init__()
+        self.model = model
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
+            self.to_float = torch.jit.script(image_to_float)
+
+    def forward(self, image: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        m = self.model
+        height, width = image.shape[-2], image.shape[-1]
+        x = (self.to_float(image) - m.pixel_mean) / m.pixel_std
+        d = m.size_divisibility
+        batch = F.pad(x, [0, (d - width % d) % d, 0, (d - height % d) % d])[None]  # zeros after normalising
+        sizes = [(height, width)]
+        features = m.backbone(batch)
+        proposals, _ = m.rpn(list(features.values()), (batch.shape[-2], batch.shape[-1]), sizes)
+        pooled = [features[name] for name in m.backbone.pooled_levels]
+        detections, _ = m.roi_heads(pooled, proposals, sizes)
+        return detections[0]["boxes"], detections[0]["scores"], detections[0]["labels"]
+
+
+def require_onnx() -> None:
+    """Raise ``ExportError`` (one line, with the install command) when ``onnx`` or
+    ``onnxruntime`` is missing."""
+    missing = [name for name in ("onnx", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ExportError(f"ONNX export needs {' and '.join(missing)}: {INSTALL_HINT}")
+
+
+def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: Tensor,
+                 opset: int = DEFAULT_OPSET) -> None:
+    """Trace ``DetectorForExport(model)`` on ``example`` (``[3, H, W]`` uint8) and write it.
+
+    Args:
+        model: the detector, on the CPU (tracing records devices); put in eval mode.
+        fmt: ``"torchscript"`` (``torch.jit.save``) or ``"onnx"`` (input ``image``
+            ``[3, height, width]`` uint8; outputs ``boxes``, ``scores``, ``labels`` with a
+            dynamic ``detections`` axis).
+        opset: ONNX opset (>= 11 for torchvision's NMS and RoIAlign).
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got '{fmt}'")
+    if model.device.type != "cpu":
+        raise ExportError(f"export traces the model on the CPU; it is on {model.device}")
+    wrapper = DetectorForExport(model.eval()).eval()
+    with warnings.catch_warnings(), torch.no_grad():
+        # Tracer warnings about Python values are expected (checks, loop counts over
+        # levels); verify_export compares the result with the eager model.
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*is deprecated.*", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+        warnings.filterwarnings("ignore", message="The feature will be removed.*", category=DeprecationWarning)
+        # The indices of every advanced indexing are non-negative (from torch.where, labels).
+        warnings.filterwarnings("ignore", message=".*aten::index operator of advanced indexing.*")
+        if fmt == "torchscript":
+            torch.jit.trace(wrapper, (example,), check_trace=False).save(str(path))
+            return
+        require_onnx()
+        if opset < 11:
+            raise ExportError(f"--opset must be >= 11 (NMS and RoIAlign), got {opset}")
+        torch.onnx.export(
+            wrapper, (example,), str(path), dynamo=False, opset_version=opset,
+            input_names=["image"], output_names=["boxes", "scores", "labels"],
+            dynamic_axes={"image": {1: "height", 2: "width"}, "boxes": {0: "detections"},
+                          "scores": {0: "detections"}, "labels": {0: "detections"}},
+        )
+    import onnx  # optional dependency, checked by require_onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise ExportError(f"the ONNX file {path} is not valid: {_first_line(exc)}") from None
+
+
+def load_exported(fmt: str, path: str | os.PathLike) -> Callable[[Tensor], Detections]:
+    """A function ``image [3, H, W] uint8 (CPU) -> (boxes, scores, labels)`` running the
+    exported file: TorchScript through ``torch.jit.load``, ONNX through onnxruntime's CPU
+    provider."""
+    if not os.path.isfile(path):
+        raise ExportError(f"exported file not found: {path}")
+    if fmt == "torchscript":
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
+                module = torch.jit.load(str(path), map_location="cpu").eval()
+        except (RuntimeError, ValueError) as exc:
+            raise ExportError(f"cannot load TorchScript file {path}: {_first_line(exc)}") from None
+
+        def run_torchscript(image: Tensor) -> Detections:
+            with torch.no_grad():
+                boxes, scores, labels = module(image)
+            return boxes, scores, labels
+
+        return run_torchscript
+    require_onnx()
+    import onnxruntime  # optional dependency, checked above
+
+    try:
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's own exception types (InvalidGraph, Fail, ...)
+        raise ExportError(f"cannot load ONNX file {path}: {_first_line(exc)}") from None
+
+    def run_onnx(image: Tensor) -> Detections:
+        boxes, scores, labels = session.run(None, {"image": image.cpu().numpy()})
+        return torch.from_numpy(boxes), torch.from_numpy(scores), torch.from_numpy(labels)
+
+    return run_onnx
+
+
+@dataclass
+class ParityReport:
+    """The comparison of one image's detections (eager vs exported).
+
+    Attributes:
+        image_size: ``(H, W)``.
+        num_eager, num_exported: detection counts.
+        max_box_diff: largest coordinate difference (pixels) over matched pairs.
+        max_score_diff: largest score difference over matched pairs.
+        unmatched: eager detections with no exported detection of the same label within
+            the tolerances.
+        ok: same count and every detection matched.
+    """
+
+    image_size: Tuple[int, int]
+    num_eager: int
+    num_exported: int
+    max_box_diff: float
+    max_score_diff: float
+    unmatched: int
+    ok: bool
+
+    def line(self) -> str:
+        verdict = "ok" if self.ok else "MISMATCH"
+        return (f"image {self.image_size[0]}x{self.image_size[1]}: {self.num_eager} eager / {self.num_exported} "
+                f"exported detections, max |box diff| {self.max_box_diff:.2e} px, max |score diff| "
+                f"{self.max_score_diff:.2e}, {self.unmatched} unmatched: {verdict}")
+
+
+def compare_detections(eager: Detections, exported: Detections, image_size: Tuple[int, int],
+                       box_tol: float = BOX_TOL, score_tol: float = SCORE_TOL) -> ParityReport:
+    """Pair each eager detection (in order) with the unpaired exported detection of the
+    same label closest in box coordinates; a pair counts when its boxes agree within
+    ``box_tol`` pixels and its scores within ``score_tol``. Pairing rather than comparing
+    row by row tolerates two detections whose scores are closer than float noise
+    swapping places."""
+    e_boxes, e_scores, e_labels = (t.detach().cpu() for t in eager)
+    x_boxes, x_scores, x_labels = (t.detach().cpu() for t in exported)
+    e_boxes, x_boxes = e_boxes.double().reshape(-1, 4), x_boxes.double().reshape(-1, 4)
+    e_scores, x_scores = e_scores.double(), x_scores.double()
+    free = torch.ones(len(x_boxes), dtype=torch.bool)
+    max_box = max_score = 0.0
+    unmatched = 0
+    for i in range(len(e_boxes)):
+        candidates = torch.where(free & (x_labels.long() == int(e_labels[i])))[0]
+        if len(candidates) == 0:
+            unmatched += 1
+            continue
+        box_diff = (x_boxes[candidates] - e_boxes[i]).abs().amax(dim=1)
+        score_diff = (x_scores[candidates] - e_scores[i]).abs()
+        j = int(torch.argmin(box_diff + score_diff))
+        if box_diff[j] > box_tol or score_diff[j] > score_tol:
+            unmatched += 1
+            continue
+        free[candidates[j]] = False
+        max_box, max_score = max(max_box, float(box_diff[j])), max(max_score, float(score_diff[j]))
+    ok = unmatched == 0 and len(e_boxes) == len(x_boxes)
+    return ParityReport(tuple(image_size), len(e_boxes), len(x_boxes), max_box, max_score, unmatched, ok)
+
+
+def verify_export(model: FasterRCNN, fmt: str, path: str | os.PathLike, images: Sequence[Tensor],
+                  box_tol: float = BOX_TOL, score_tol: float = SCORE_TOL) -> List[ParityReport]:
+    """Run the exported file and the eager model on each ``[3, H, W]`` uint8 image and
+    compare (``compare_detections``). Returns one report per image; the caller decides
+    what a mismatch means (``tools/export.py`` exits with status 1)."""
+    run = load_exported(fmt, path)
+    model.eval()
+    reports = []
+    for image in images:
+        with torch.no_grad():
+            det = model([image.to(model.device)])[0]
+        eager = (det["boxes"], det["scores"], det["labels"])
+        reports.append(compare_detections(eager, run(image.cpu()), tuple(image.shape[-2:]), box_tol, score_tol))
+    return reports

@@ -1,0 +1,168 @@
+"""tools/export.py and detector.modeling.export: TorchScript and ONNX files give the eager
+model's detections on images of two sizes; a tampered file fails the parity check."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from detector.config import load_config
+from detector.modeling import build_model
+from detector.modeling.export import (
+    INSTALL_HINT,
+    DetectorForExport,
+    ExportError,
+    export_model,
+    require_onnx,
+    verify_export,
+)
+ROOT = Path(__file__).resolve().parents[1]
+
+HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
+needs_ort = pytest.mark.skipif(not HAS_ORT, reason=f"onnx/onnxruntime not installed ({INSTALL_HINT})")
+OVERRIDES = ["roi_heads.score_thresh=0.4"]
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("export_tool", ROOT / "tools" / "export.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOOL = load_tool()
+
+
+def tiny_model() -> torch.nn.Module:
+    """The tiny test model, random init, with a predictor spread wide enough that a
+    handful of detections (a different number per image) pass the 0.4 threshold."""
+    torch.manual_seed(0)
+    model = build_model(load_config(ROOT / "configs" / "tiny_cpu.yaml", OVERRIDES))
+    torch.nn.init.normal_(model.roi_heads.box_predictor.cls_score.weight, std=0.1)
+    torch.nn.init.normal_(model.roi_heads.box_predictor.bbox_pred.weight, std=0.01)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def images():
+    """A generated scene at 64x96 and one at 96x64 (the tool's own test images)."""
+    return TOOL.test_images((64, 96), None)
+
+
+def check_reports(reports):
+    assert [r.image_size for r in reports] == [(64, 96), (96, 64)]
+    for r in reports:
+        assert r.ok, r.line()
+        assert 0 < r.num_eager < 50  # detections survive, fewer than the cap: the count is not baked in
+    assert reports[0].num_eager != reports[1].num_eager
+
+
+def test_wrapper_is_the_eager_model(model, images):
+    """The traceable wrapper computes exactly what model([image]) does, uint8 and float."""
+    wrapper = DetectorForExport(model)
+    with torch.no_grad():
+        for image in images + [images[0].float() / 255]:
+            boxes, scores, labels = wrapper(image)
+            det = model([image])[0]
+            assert torch.equal(boxes, det["boxes"]) and torch.equal(scores, det["scores"])
+            assert torch.equal(labels, det["labels"])
+
+
+def test_torchscript_matches_eager_on_two_sizes(model, images, tmp_path):
+    path = tmp_path / "tiny.pt"
+    export_model(model, "torchscript", path, images[0])
+    check_reports(verify_export(model, "torchscript", path, images))
+    # The traced dtype branch: a float 0..1 image gives the same detections.
+    scripted = torch.jit.load(str(path))
+    with torch.no_grad():
+        boxes, scores, _ = scripted(images[1].float() / 255)
+        det = model([images[1].float() / 255])[0]
+    torch.testing.assert_close(boxes, det["boxes"], atol=1e-3, rtol=0)
+    torch.testing.assert_close(scores, det["scores"], atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def onnx_file(model, images, tmp_path_factory):
+    path = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
+    export_model(model, "onnx", path, images[0])
+    return path
+
+
+@needs_ort
+def test_onnx_matches_eager_on_two_sizes(model, images, onnx_file):
+    check_reports(verify_export(model, "onnx", onnx_file, images))
+
+
+@needs_ort
+def test_tampered_onnx_weight_fails_parity(model, images, onnx_file, tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    path = tmp_path / "tampered.onnx"
+    proto = onnx.load(str(onnx_file))
+    (init,) = [i for i in proto.graph.initializer if i.name.endswith("box_predictor.cls_score.bias")]
+    bias = numpy_helper.to_array(init).copy()
+    bias[3] += np.float32(0.05)  # one class's logit: its scores change (a shift of all would not)
+    init.CopyFrom(numpy_helper.from_array(bias, init.name))
+    onnx.save(proto, str(path))
+    reports = verify_export(model, "onnx", path, images)
+    assert not any(r.ok for r in reports)
+    assert "MISMATCH" in reports[0].line()
+
+
+def test_tool_exports_then_rejects_a_tampered_file(model, tmp_path, capsys):
+    """End to end: the tool exports and checks; after one weight of the file changes,
+    --verify-only exits 1 with one line and no traceback."""
+    weights, out = tmp_path / "w.pth", tmp_path / "model.pt"
+    torch.save(model.state_dict(), weights)
+    argv = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(weights), "--format",
+            "torchscript", "--output", str(out), "--image-size", "64", "96", *OVERRIDES]
+    assert TOOL.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "parity ok" in printed and "image 96x64" in printed
+
+    scripted = torch.jit.load(str(out))
+    with torch.no_grad():
+        scripted.model.roi_heads.box_predictor.cls_score.bias[3] += 0.05
+    scripted.save(str(out))
+    assert TOOL.main([*argv, "--verify-only"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "does not match the eager model" in err and "MISMATCH" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_one_line_errors(model, images, tmp_path, monkeypatch):
+    with pytest.raises(ExportError, match="--format must be one of torchscript, onnx"):
+        export_model(model, "tflite", tmp_path / "m", images[0])
+    with pytest.raises(ExportError, match="exported file not found"):
+        verify_export(model, "torchscript", tmp_path / "absent.pt", images)
+    (tmp_path / "junk.pt").write_bytes(b"not a model")
+    with pytest.raises(ExportError, match="cannot load TorchScript file"):
+        verify_export(model, "torchscript", tmp_path / "junk.pt", images)
+    # Without the optional extra the message names the install command.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "onnxruntime" else real_find_spec(name, *a))
+    with pytest.raises(ExportError, match=r"needs onnxruntime: pip install -e \"\.\[export\]\""):
+        require_onnx()
+
+
+def test_tool_missing_weights_is_one_line(tmp_path, capsys):
+    code = TOOL.main(["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(tmp_path / "none.pth"),
+                      "--format", "onnx", "--output", str(tmp_path / "m.onnx")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: ") and "none.pth" in err and len(err.strip().splitlines()) == 1
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
