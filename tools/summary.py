@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""What a detector costs: parameters per module (total, trainable, frozen), FLOPs of one
+image, and the size of its weights file.
+
+    python tools/summary.py --config configs/faster_rcnn_r50_fpn_1x_coco.yaml \
+        [--image-size H W] [--json summary.json] [key=value ...]
+
+Parameters are counted after ``model.freeze_at`` and the norm policy; FLOPs with
+``torch.utils.flop_counter`` on one ``H x W`` image (default: input.min_size_test x
+input.max_size_test) in eval mode, 2 per multiply-add. The model is built without
+``model.weights``/``model.backbone_weights`` (the counts do not depend on them, and
+nothing is downloaded). ``--json`` holds params_total, params_trainable, params_frozen,
+gflops, checkpoint_bytes and the same per module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from detector.config import ConfigError, load_config  # noqa: E402
+from detector.modeling import build_model  # noqa: E402
+from detector.modeling.summary import default_image_size, format_summary, model_summary  # noqa: E402
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML config of the model")
+    p.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
+                   help="image size for the FLOPs (default: input.min_size_test x input.max_size_test)")
+    p.add_argument("--json", help="also write the summary to this JSON file")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
+        size = tuple(args.image_size) if args.image_size else default_image_size(cfg)
+        summary = model_summary(build_model(cfg), size)
+        print(format_summary(summary))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+            print(f"summary written to {args.json}")
+        return 0
+    except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
