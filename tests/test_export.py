@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 
 from detector.config import load_config
 from detector.modeling import build_model
+from detector.modeling.box_coder import clip_boxes
 from detector.modeling.export import (
     INSTALL_HINT,
     DetectorForExport,
@@ -64,6 +66,13 @@ def check_reports(reports):
         assert r.ok, r.line()
         assert 0 < r.num_eager < 50  # detections survive, fewer than the cap: the count is not baked in
     assert reports[0].num_eager != reports[1].num_eager
+
+
+def test_clip_boxes_equals_torchvision():
+    boxes = torch.tensor([[-5.0, -1.0, 50.0, 30.0], [10.0, 20.0, 130.0, 90.5], [0.0, 0.0, 0.0, 0.0]])
+    expected = torchvision.ops.clip_boxes_to_image(boxes, (64, 96))
+    assert torch.equal(clip_boxes(boxes, (64, 96)), expected)
+    assert torch.equal(clip_boxes(boxes, (torch.tensor(64), torch.tensor(96))), expected)  # as while tracing
 
 
 def test_wrapper_is_the_eager_model(model, images):
