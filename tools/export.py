@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 from detector.config import ConfigError, load_config  # noqa: E402
 from detector.data.datasets import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
-from detector.engine.checkpoint import load_weights  # noqa: E402
+from detector.modeling.weights import load_weights  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.export import DEFAULT_OPSET, FORMATS, ExportError, export_model, verify_export  # noqa: E402
 from detector.modeling.summary import default_image_size  # noqa: E402
@@ -86,7 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # --weights holds every weight: build without initial weights (nothing to download).
         cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
         model = build_model(cfg)
-        load_weights(model, args.weights)
+        load_weights(model, args.weights, strict=True)
         model.eval()
         images = test_images(tuple(args.image_size or default_image_size(cfg)), args.image)
         output = Path(args.output)
