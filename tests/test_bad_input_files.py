@@ -251,7 +251,8 @@ def test_check_dataset_header_names_the_files_it_reads(tmp_path, capsys):
 # ----------------------------------------------------------------------------- help texts
 
 
-@pytest.mark.parametrize("tool", ["eval", "infer", "train", "benchmark", "check_dataset", "split_dataset"])
+@pytest.mark.parametrize("tool", ["eval", "infer", "train", "benchmark", "check_dataset", "split_dataset",
+                                  "export", "summary"])
 def test_tool_help_is_clean_text(tool, capsys):
     module = load_tool(tool)
     with pytest.raises(SystemExit) as exit_info:

@@ -1,22 +1,22 @@
 #!/usr/bin/env python
-"""Export a trained detector to TorchScript or ONNX and check the file against the model.
+r"""Export a trained detector to TorchScript or ONNX and check the file against the model.
 
     python tools/export.py --config runs/x/config.yaml --weights runs/x/checkpoints/best.pth \
         --format torchscript|onnx --output model.pt|model.onnx [--image-size H W] [--opset N] \
         [--image photo.jpg] [--verify-only] [key=value ...]
 
-The file holds the eval-mode model for one RGB image ``[3, H, W]`` (TorchScript: uint8
-0..255 or float 0..1; ONNX: uint8, input ``image``) with normalisation, padding,
-post-processing and NMS inside; it returns ``boxes`` ``[M, 4]`` (x1, y1, x2, y2 in the
-image's pixels), ``scores`` ``[M]`` and ``labels`` ``[M]`` (1..K). Any image size works;
-give it images resized as in training (``input.min_size_test``/``max_size_test``).
+The file holds the eval-mode model for one RGB image [3, H, W] (TorchScript: uint8
+0..255 or float 0..1; ONNX: uint8, input image) with normalisation, padding,
+post-processing and NMS inside; it returns boxes [M, 4] (x1, y1, x2, y2 in the
+image's pixels), scores [M] and labels [M] (1..K). Any image size works;
+give it images resized as in training (input.min_size_test/max_size_test).
 
 After writing, the file is run (TorchScript in torch, ONNX in onnxruntime) on two test
-images of different sizes (a generated shapes scene at ``--image-size``, default
-``input.min_size_test`` x ``input.max_size_test``, and the transposed size; or
-``--image`` and its top-left 3/4 crop) and compared with the eager model: boxes within
+images of different sizes (a generated shapes scene at --image-size, default
+input.min_size_test x input.max_size_test, and the transposed size; or
+--image and its top-left 3/4 crop) and compared with the eager model: boxes within
 1e-3 px, scores within 1e-4, the same labels. A mismatch exits with status 1.
-``--verify-only`` checks an existing file without exporting. ONNX needs the optional
+--verify-only checks an existing file without exporting. ONNX needs the optional
 extra: pip install -e ".[export]". See docs/deploy.md.
 """
 
@@ -60,8 +60,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def test_images(size: Tuple[int, int], image_path: Optional[str]) -> List[torch.Tensor]:
-    """Two uint8 ``[3, H, W]`` images of different sizes: ``image_path`` and its top-left
-    3/4 crop, or a generated shapes scene of ``size`` and one of the transposed size."""
+    """Two uint8 [3, H, W] images of different sizes: image_path and its top-left
+    3/4 crop, or a generated shapes scene of size and one of the transposed size."""
     if image_path:
         image = torch.from_numpy(np.ascontiguousarray(load_image(image_path))).permute(2, 0, 1).contiguous()
         h, w = image.shape[1:]

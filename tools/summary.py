@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""What a detector costs: parameters per module (total, trainable, frozen), FLOPs of one
+r"""What a detector costs: parameters per module (total, trainable, frozen), FLOPs of one
 image, and the size of its weights file.
 
     python tools/summary.py --config configs/faster_rcnn_r50_fpn_1x_coco.yaml \
         [--image-size H W] [--json summary.json] [key=value ...]
 
-Parameters are counted after ``model.freeze_at`` and the norm policy; FLOPs with
-``torch.utils.flop_counter`` on one ``H x W`` image (default: input.min_size_test x
+Parameters are counted after model.freeze_at and the norm policy; FLOPs with
+torch.utils.flop_counter on one H x W image (default: input.min_size_test x
 input.max_size_test) in eval mode, 2 per multiply-add. The model is built without
-``model.weights``/``model.backbone_weights`` (the counts do not depend on them, and
-nothing is downloaded). ``--json`` holds params_total, params_trainable, params_frozen,
+model.weights/model.backbone_weights (the counts do not depend on them, and
+nothing is downloaded). --json holds params_total, params_trainable, params_frozen,
 gflops, checkpoint_bytes and the same per module.
 """
 
