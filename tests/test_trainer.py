@@ -5,11 +5,17 @@ Everything runs on the CPU with 64-96 px images and a few iterations.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
+import os
+import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,8 +25,11 @@ from torch import nn
 
 from detector.config import load_config
 from detector.engine.checkpoint import load_checkpoint
+from detector.engine.hooks import HookBase
 from detector.engine.log import read_jsonl
-from detector.engine.trainer import NonFiniteLossError, Trainer, apply_norm_policy
+from detector.engine.run_folder import RunFolderError
+from detector.engine.setup import apply_norm_policy
+from detector.engine.trainer import NonFiniteLossError, Trainer
 from detector.modeling import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,19 +68,20 @@ def weights(trainer: Trainer) -> dict:
     return {k: v.clone() for k, v in trainer.model_without_ddp.state_dict().items()}
 
 
-class StopAt(Trainer):
-    """Behaves as if SIGTERM arrived during iteration ``stop_at``."""
+class SignalAt(HookBase):
+    """Sends this process SIGTERM after iteration ``at``: the run stops one iteration
+    later, as when a scheduler preempts it."""
 
-    stop_at = 0
+    def __init__(self, at: int) -> None:
+        self.at = at
 
-    def run_step(self, images, targets):
-        if self.iteration + 1 == self.stop_at:
-            self._stop_signal = signal.SIGTERM
-        return super().run_step(images, targets)
+    def after_step(self, state) -> None:
+        if state.iteration == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_exact_resume_matches_straight_run(data_root, tmp_path):
-    # Random flips and sizes: the augmentation RNG state is part of the checkpoint too.
+    # Random flips and sizes: augmentation depends only on (seed, epoch, sample index).
     aug = ["input.hflip_prob=0.5", "input.min_size_train=[56,64,72]"]
     # Straight: 6 iterations (4 batches per epoch: crosses an epoch boundary).
     a = Trainer(make_cfg(data_root, tmp_path / "a", *aug))
@@ -80,8 +90,8 @@ def test_exact_resume_matches_straight_run(data_root, tmp_path):
     assert res.status == "finished" and res.iteration == 6
     # Interrupted at 5 with a checkpoint at 3, resumed from iteration 3 (mid-epoch).
     cfg_b = make_cfg(data_root, tmp_path / "b", "train.checkpoint_period=3", *aug)
-    b = StopAt(cfg_b)
-    b.stop_at = 5
+    b = Trainer(cfg_b)
+    b.hooks.append(SignalAt(4))
     res = b.train()
     b.close()
     assert res.status == "interrupted" and res.iteration == 5
@@ -106,10 +116,11 @@ def test_exact_resume_matches_straight_run(data_root, tmp_path):
     assert state["iteration"] == 6 and state["config"]["solver"]["max_iter"] == 6
 
 
-def test_auto_resume_and_missing_checkpoint(data_root, tmp_path):
+def test_auto_resume_and_missing_checkpoint(data_root, tmp_path, caplog):
     cfg = make_cfg(data_root, tmp_path / "r", "solver.max_iter=2")
-    t = Trainer(cfg, resume=True)  # nothing to resume: starts fresh
-    assert t.iteration == 0
+    with caplog.at_level(logging.INFO, logger="detector.engine"):
+        t = Trainer(cfg, resume=True)  # nothing to resume: starts fresh, and says so
+    assert t.iteration == 0 and "no checkpoint to continue" in caplog.text and "starting a fresh run" in caplog.text
     t.train()
     t.close()
     cfg = make_cfg(data_root, tmp_path / "r", "solver.max_iter=3")
@@ -118,9 +129,7 @@ def test_auto_resume_and_missing_checkpoint(data_root, tmp_path):
     t.train()
     t.close()
     assert [r["iteration"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == [1, 2, 3]
-    from detector.engine.checkpoint import CheckpointError
-
-    with pytest.raises(CheckpointError, match="checkpoint not found: .*nope.pth"):
+    with pytest.raises(RunFolderError, match="checkpoint not found: .*nope.pth"):
         Trainer(cfg, resume=str(tmp_path / "nope.pth"))
 
 
@@ -147,26 +156,7 @@ def test_nan_loss_is_skipped_and_logged(data_root, tmp_path, caplog):
     torch.manual_seed(0)
     model = _inject_nan(build_model(cfg), {2})
     t = Trainer(cfg, model=model)
-    before = {}
-    orig_step = t.run_step
-
-    def step(images, targets):
-        if t.iteration == 1:
-            before.update({k: v.detach().clone() for k, v in t.model_without_ddp.named_parameters()})
-            before.update({f"momentum:{k}": t.optimizer.state[p]["momentum_buffer"].clone()
-                           for k, p in t.model_without_ddp.named_parameters() if p in t.optimizer.state})
-        out = orig_step(images, targets)
-        if t.iteration == 1:  # the NaN step left every weight and momentum buffer as it was
-            after = {k: v.detach() for k, v in t.model_without_ddp.named_parameters()}
-            after.update({f"momentum:{k}": t.optimizer.state[p]["momentum_buffer"]
-                          for k, p in t.model_without_ddp.named_parameters() if p in t.optimizer.state})
-            assert out[2] is True
-            changed = [k for k in before if not torch.equal(after[k], before[k])]
-            assert not changed, changed[:5]
-        return out
-
-    t.run_step = step
-    with caplog.at_level(logging.WARNING, logger="detector.engine.trainer"):
+    with caplog.at_level(logging.WARNING, logger="detector.engine"):
         res = t.train()
     t.close()
     assert res.status == "finished" and res.iteration == 4
@@ -187,7 +177,8 @@ def test_k_nonfinite_in_a_row_stop_with_loadable_checkpoint(data_root, tmp_path,
         t.train()
     t.close()
     msg = str(e.value)
-    assert "3 non-finite losses in a row" in msg and "iteration 6" in msg and "last.pth" in msg and "\n" not in msg
+    assert "3 non-finite losses in a row" in msg and "at iteration 6" in msg and "\n" not in msg
+    assert f"newest finite checkpoint: {tmp_path / 'k' / 'checkpoints' / 'last.pth'}" in msg
     state = torch.load(tmp_path / "k" / "checkpoints" / "last.pth", weights_only=True)
     # With periodic checkpoints the last periodic one (iteration 4: the weights after the
     # 3 good steps, since step 4 was skipped) is kept; without, the weights at the stop.
@@ -209,7 +200,7 @@ def test_amp_steps_and_scaler_survives_resume(data_root, tmp_path, dtype):
     if dtype == "float16":
         assert "amp_scale" in recs[-1]
         t.scaler.update(new_scale=1234.0)  # a scale the default would never give
-        t.save(["last.pth"])
+        t.checkpointer.save(["last.pth"], t.iteration)
         t.close()
         t2 = Trainer(make_cfg(data_root, tmp_path / dtype, "solver.max_iter=3", "train.amp.enabled=true",
                               "train.amp.dtype=float16", "solver.images_per_gpu=1", "solver.reference_batch_size=1"),
@@ -223,7 +214,7 @@ def test_amp_steps_and_scaler_survives_resume(data_root, tmp_path, dtype):
 
 def test_syncbn_on_cpu_falls_back_to_bn_with_warning(data_root, tmp_path, caplog):
     cfg = make_cfg(data_root, tmp_path / "s", "model.norm=syncbn", "model.freeze_at=1", "solver.max_iter=1")
-    with caplog.at_level(logging.WARNING, logger="detector.engine.trainer"):
+    with caplog.at_level(logging.WARNING, logger="detector.engine"):
         t = Trainer(cfg)
     assert "SyncBatchNorm needs CUDA" in caplog.text
     assert not any(isinstance(m, nn.SyncBatchNorm) for m in t.model.modules())
@@ -290,3 +281,162 @@ def test_cli_errors_are_one_line(tmp_path):
     err = proc.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ")
     assert "unknown config key 'solver.lrr' (did you mean 'solver.lr'?)" in err
+
+
+# --------------------------------------------------------------------------- the run folder and faults, end to end
+
+
+def _load_train_tool():
+    spec = importlib.util.spec_from_file_location("train_tool", ROOT / "tools" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def cli(capsys):
+    """``tools/train.py``'s ``main`` in this process: returns ``(exit status, stderr)``.
+    The ``detector`` logger's set-up is restored afterwards (main configures it)."""
+    tool = _load_train_tool()
+    log = logging.getLogger("detector")
+
+    def run(*argv: str):
+        saved = (list(log.handlers), log.propagate, log.level)
+        try:
+            rc = tool.main([str(a) for a in argv])
+        finally:
+            for h in log.handlers:
+                if h not in saved[0]:
+                    h.close()
+            log.handlers[:], log.propagate, log.level = saved
+        return rc, capsys.readouterr().err
+
+    return run
+
+
+def cli_args(data_root: Path, out: Path, *extra: str) -> list:
+    return ["--config", ROOT / "configs" / "tiny_cpu.yaml", *tiny_overrides(data_root, out), *extra]
+
+
+def assert_one_error_line(err: str, *parts: str) -> None:
+    """One ``error:`` line holding ``parts``, no traceback (other stderr lines may be
+    progress bars)."""
+    lines = [line for line in err.strip().splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for part in parts:
+        assert part in lines[0], (part, lines[0])
+
+
+def test_busy_folder_is_refused_and_the_first_run_finishes_untouched(data_root, tmp_path, cli):
+    out = tmp_path / "run"
+    first = Trainer(make_cfg(data_root, out, "solver.max_iter=3"))
+    config_text = (out / "config.yaml").read_text()
+    rc, err = cli(*cli_args(data_root, out, "solver.max_iter=2"))
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert_one_error_line(err, f"run folder {out} is busy", f"pid {os.getpid()}")
+    rc, err = cli(*cli_args(data_root, out, "solver.max_iter=2"), "--resume")  # nor may a restart join it
+    assert rc == 1 and "busy" in err
+    res = first.train()
+    first.close()
+    assert res.status == "finished" and res.iteration == 3
+    assert [r["iteration"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_0000003.pth", "last.pth"]
+    assert (out / "config.yaml").read_text() == config_text and not (out / "log.txt").exists()
+    # Now the folder holds a finished run: a fresh start is refused, --overwrite starts over.
+    rc, err = cli(*cli_args(data_root, out, "solver.max_iter=1"))
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert_one_error_line(err, f"run folder {out} already holds checkpoints", "--resume", "--output-dir", "--overwrite")
+    rc, err = cli(*cli_args(data_root, out, "solver.max_iter=1", "train.tensorboard=true"), "--overwrite")
+    assert rc == 0, err
+    assert [r["iteration"] for r in read_jsonl(out / "metrics.jsonl")] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_0000001.pth", "last.pth"]
+
+
+def test_val_images_removed_mid_run_cost_no_checkpoint(data_root, tmp_path, cli):
+    """The final evaluation fails: one error line naming the checkpoint to evaluate
+    later, exit status 1, and last.pth holds the final iteration."""
+    val_root = tmp_path / "val_data"
+    shutil.copytree(data_root, val_root)
+    out = tmp_path / "run"
+    metrics = out / "metrics.jsonl"
+
+    def remove_val_images_once_training_runs():
+        deadline = time.time() + 120
+        while not metrics.exists() and time.time() < deadline:
+            time.sleep(0.01)
+        for p in (val_root / "val").iterdir():
+            p.unlink()
+
+    remover = threading.Thread(target=remove_val_images_once_training_runs, daemon=True)
+    remover.start()
+    rc, err = cli(*cli_args(data_root, out, "solver.max_iter=4", f"data.val.root={val_root}", "train.eval_period=0"))
+    remover.join()
+    assert rc == 1
+    last = out / "checkpoints" / "last.pth"
+    assert_one_error_line(err, "evaluation at iteration 4 failed (FileNotFoundError: image file",
+                          f"python tools/eval.py --config {out / 'config.yaml'} --weights {last}")
+    assert torch.load(last, weights_only=True)["iteration"] == 4
+
+
+def test_diverged_run_names_a_finite_checkpoint_that_resumes(data_root, tmp_path):
+    out = tmp_path / "lr"
+    cfg = make_cfg(data_root, out, "solver.lr=1e6", "solver.max_iter=20", "solver.warmup_iters=2",
+                   "train.checkpoint_period=1", "train.max_nonfinite_steps=3")
+    t = Trainer(cfg)
+    with pytest.raises(NonFiniteLossError) as e:
+        t.train()
+    t.close()
+    msg = str(e.value)
+    named = re.search(r"checkpoint before the failing steps: (\S+) \(iteration (\d+)\)", msg)
+    assert named and "\n" not in msg, msg
+    state = torch.load(named.group(1), weights_only=True)
+    assert state["iteration"] == int(named.group(2))
+    tensors = [v for v in state["model"].values()] + [v for s in state["optimizer"]["state"].values() for v in s.values()]
+    assert all(torch.isfinite(v).all() for v in tensors if v.is_floating_point())
+    # Resume from it with a sane LR: it trains on, with finite losses.
+    start = state["iteration"]
+    t = Trainer(make_cfg(data_root, out, "solver.lr=0.02", f"solver.max_iter={start + 3}", "solver.warmup_iters=2",
+                         "train.checkpoint_period=0"), resume=named.group(1))
+    res = t.train()
+    t.close()
+    assert res.status == "finished" and res.iteration == start + 3
+    resumed = [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "train" and r["iteration"] > start]
+    assert len(resumed) == 3 and all(r["lr/default"] <= 0.02 for r in resumed)
+    assert all(math.isfinite(r["total_loss"]) and r["nonfinite_skipped"] == 0 for r in resumed)
+
+
+@pytest.mark.slow
+def test_bad_resume_checkpoints_are_one_line(data_root, tmp_path, cli):
+    """Empty, truncated, random bytes, a non-weights pickle, weights without training
+    state, another architecture: each one line naming the file, no traceback."""
+    good = tmp_path / "good.pth"
+    model = build_model(make_cfg(data_root, tmp_path / "x"))
+    torch.save({"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "iteration": 1}, good)
+    data = good.read_bytes()
+    other = build_model(make_cfg(data_root, tmp_path / "x", "model.fpn_channels=64"))
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    cases = {
+        "empty.pth": (b"", ""),
+        "truncated.pth": (data[: len(data) // 2], ""),
+        "random.pth": (bytes(range(256)) * 64, ""),
+        "evil.pth": (pickle.dumps({"model": Evil()}, protocol=2), ""),
+        "weights.pth": (None, "not a training checkpoint"),
+        "other_arch.pth": (None, "another architecture"),
+    }
+    torch.save(model.state_dict(), tmp_path / "weights.pth")
+    torch.save({"model": other.state_dict(), "optimizer": {}, "scheduler": {}, "iteration": 1}, tmp_path / "other_arch.pth")
+    for name, (content, what) in cases.items():
+        path = tmp_path / name
+        if content is not None:
+            path.write_bytes(content)
+        rc, err = cli(*cli_args(data_root, tmp_path / f"run_{name}", "solver.max_iter=1"), "--resume", path)
+        assert rc == 1, (name, err)
+        assert_one_error_line(err, str(path), what)
+        assert "weights_only=False" not in err and "pwned" not in err
+    _, err = cli(*cli_args(data_root, tmp_path / "run_other_arch.pth", "solver.max_iter=1"), "--resume",
+                 tmp_path / "other_arch.pth")
+    assert "backbone.fpn" in err and "[64," in err and "[32," in err  # the first mismatched keys and shapes

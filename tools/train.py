@@ -3,7 +3,8 @@
 
     python tools/train.py --config configs/demo_shapes.yaml
     torchrun --nproc_per_node=8 tools/train.py --config configs/faster_rcnn_r50_fpn_1x_coco.yaml
-    python tools/train.py --config C --resume                # continue <output_dir>/checkpoints/last.pth
+    python tools/train.py --config C --resume                # continue <output_dir>/checkpoints/last.pth (or start)
+    python tools/train.py --config C --overwrite             # start over in a folder that holds a run
     python tools/train.py --config C --weights FasterRCNN_ResNet50_FPN_Weights.COCO_V1 solver.lr=0.01
 
 Trailing key=value arguments override config keys. See docs/training.md.
@@ -28,9 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from detector.config import ConfigError, load_config  # noqa: E402
 from detector import distributed  # noqa: E402
 from detector.engine.checkpoint import CheckpointError  # noqa: E402
+from detector.engine.checkpointer import CheckpointWriteError  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
-from detector.engine.trainer import NonFiniteLossError, Trainer  # noqa: E402
+from detector.engine.run_folder import RunFolder, RunFolderError  # noqa: E402
+from detector.engine.trainer import EvaluationError, NonFiniteLossError, train  # noqa: E402
 from detector.modeling.weights import WeightsError  # noqa: E402
+
+# Expected failures: one line on stderr, exit status 1, the traceback in log.txt only.
+EXPECTED_ERRORS = (
+    ConfigError, CheckpointError, CheckpointWriteError, WeightsError, NonFiniteLossError, EvaluationError,
+    RunFolderError, FileNotFoundError, ValueError,
+)
 
 logger = logging.getLogger("detector.tools.train")
 
@@ -40,7 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="YAML config file")
     p.add_argument("--output-dir", default=None, help="run folder (overrides train.output_dir)")
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
-                   help="continue a run: from CKPT, or from <output_dir>/checkpoints/last.pth if none is given")
+                   help="continue a run: from CKPT, or from <output_dir>/checkpoints/last.pth if none is given "
+                        "(a folder with no checkpoint yet starts fresh, so the same command serves every restart)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run folder that holds checkpoints: deletes its checkpoints, metrics.jsonl, "
+                        "tb/, eval/ and log.txt")
     p.add_argument("--weights", default=None,
                    help="initial weights (overrides model.weights): a checkpoint file or a torchvision weights name")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. solver.lr=0.01")
@@ -59,14 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         info = distributed.init_distributed(cfg.train.device)
         rank = info.rank
-        setup_logging(cfg.train.output_dir, rank)
-        trainer = Trainer(cfg, dist_info=info, resume=args.resume)
-        try:
-            result = trainer.train()
-        finally:
-            trainer.close()
-    except (ConfigError, CheckpointError, WeightsError, NonFiniteLossError, FileNotFoundError, ValueError) as exc:
-        # Expected failures: one line, no traceback.
+        setup_logging(None, rank)  # console only until the run folder is ours
+        with RunFolder.open(cfg.train.output_dir, args.resume, args.overwrite, rank == 0, info.world_size) as folder:
+            setup_logging(cfg.train.output_dir, rank)
+            result = train(cfg, resume=args.resume, dist_info=info, run_folder=folder)
+    except EXPECTED_ERRORS as exc:
         logger.debug("stopped with an error", exc_info=True)  # the traceback goes to log.txt only
         print(f"error: {exc}", file=sys.stderr)
         return 1

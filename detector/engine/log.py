@@ -58,12 +58,28 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def format_console_line(record: Dict[str, Any], max_iter: int, eta_seconds: float) -> str:
-    """One console line from a training record of ``metrics.jsonl``."""
+def format_lrs(lrs: Dict[str, float]) -> str:
+    """Each optimizer group's LR by name, ``lr[default] 0.02  lr[backbone.body] 0.002``;
+    a sub-group (``default/norm``, ``default/bias``) is shown only where its LR differs
+    from its rule's group."""
+    shown = {}
+    for name, lr in lrs.items():
+        parent = name.split("/")[0]
+        if parent != name and parent in lrs and lrs[parent] == lr:
+            continue
+        shown[name] = lr
+    return "  ".join(f"lr[{name}] {lr:.3g}" for name, lr in shown.items())
+
+
+def format_console_line(record: Dict[str, Any], max_iter: int, eta_seconds: float,
+                        lrs: Optional[Dict[str, float]] = None) -> str:
+    """One console line from a training record of ``metrics.jsonl``; ``lrs``: each
+    group's LR by name (default: the record's ``lr``, the ``default`` group's)."""
     losses = "  ".join(f"{k} {record[k]:.4f}" for k in sorted(record) if k.startswith("loss_"))
+    lr_text = format_lrs(lrs) if lrs else f"lr[default] {record['lr']:.3g}"
     return (
         f"iter {record['iteration']}/{max_iter}  eta {format_eta(eta_seconds)}  "
-        f"total_loss {record['total_loss']:.4f}  {losses}  lr {record['lr']:.3g}  "
+        f"total_loss {record['total_loss']:.4f}  {losses}  {lr_text}  "
         f"time {record['time']:.3f}s  data {record['data_time']:.3f}s  "
         f"{record['images_per_sec']:.1f} img/s  mem {record['memory_mb']:.0f}MiB"
     )

@@ -208,6 +208,17 @@ class WarmupLRScheduler(torch.optim.lr_scheduler.LRScheduler):
         f = self.factor(self.last_epoch)
         return [base * f for base in self.base_lrs]
 
+    def continue_at(self, iteration: int) -> None:
+        """Resume the schedule at ``iteration`` (steps taken so far) with this
+        scheduler's own settings (from the current config): every group's LR becomes
+        ``base_lr * factor(iteration)``, exactly what stepping there would give."""
+        self.last_epoch = int(iteration)
+        self._step_count = int(iteration) + 1
+        values = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, values):
+            group["lr"] = lr
+        self._last_lr = values
+
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> WarmupLRScheduler:
     s = cfg.solver

@@ -1,63 +1,64 @@
-"""The training loop: iteration-based SGD/AdamW over an epoch-based loader.
+"""The training loop: a ``TrainStep`` per iteration, then the hooks.
 
 One ``Trainer`` per process. Under ``torchrun`` (or SLURM) every rank builds the same
 model, wraps it in DDP (after SyncBN conversion) and reads its own shard of the data;
-only rank 0 writes files.
+only rank 0 writes files. The step does the work of an iteration
+(``detector.engine.step``); logging, checkpoints, evaluation, the non-finite guard and
+signals are hooks (``detector.engine.hooks``); the run folder is locked and checked by
+``detector.engine.run_folder``.
 
-Per iteration the loop keeps the losses on the device: it reads back one flag (the
-non-finite / stop-request check, all-reduced across ranks in DDP) and nothing else.
-Loss values, gradient norm and timings are reduced and read at logging points only.
-
-Checkpoints (``<output_dir>/checkpoints``): ``last.pth`` and ``iter_XXXXXXX.pth`` every
-``train.checkpoint_period`` iterations (the newest ``train.keep_last`` numbered ones
-are kept), ``best.pth`` at the best ``train.best_metric`` of the periodic evaluations,
-and ``last.pth`` again at the end or on SIGTERM/SIGINT. ``resume`` restores model,
-optimizer, scheduler, AMP scaler, iteration, epoch and position in it, and the RNG
-states, so a resumed run continues the straight run exactly (given a deterministic
-data pipeline, see docs/training.md).
+Checkpoints hold model, optimizer, scheduler, AMP scaler, iteration, epoch and the
+batches done in it, every rank's python/numpy/torch RNG state, the best metric and the
+config, so a resumed run continues the straight run exactly (data augmentation is a
+function of seed, epoch and sample index, see docs/training.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import os
-import signal
-import threading
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from detector.config import Config, config_from_dict, config_to_dict, config_to_yaml, save_config
+from detector.config import Config, config_to_dict, config_to_yaml, save_config
+from detector.data import build_dataset
+from detector.data.loader import build_train_loader
 from detector.engine import checkpoint as ckpt
-from detector.distributed import (
-    DistInfo,
-    barrier,
-    init_distributed,
-    seed_everything,
+from detector.distributed import DistInfo, all_gather_object, barrier, init_distributed, seed_everything
+from detector.engine.checkpointer import Checkpointer
+from detector.engine.hooks import (  # noqa: F401 (NonFiniteLossError, EvaluationError: public here too)
+    EvalHook,
+    EvaluationError,
+    EventWriters,
+    HookBase,
+    LoopState,
+    MetricsWriter,
+    NonFiniteGuard,
+    NonFiniteLossError,
+    PeriodicCheckpointer,
+    SignalHook,
+    log_detections,
 )
-from detector.engine.log import (
-    JSONLWriter,
-    TensorBoardWriter,
-    draw_detections,
-    format_console_line,
-    peak_memory_mb,
-)
+from detector.engine.log import JSONLWriter, TensorBoardWriter
 from detector.engine.optim import build_lr_scheduler, build_optimizer
-from detector.modeling.weights import load_initial_weights, load_weights
+from detector.engine.resume import load_training_state
+from detector.engine.run_folder import RunFolder
+from detector.engine.setup import apply_norm_policy, configure_torch, prepare_model  # noqa: F401 (apply_norm_policy: public here too)
+from detector.engine.step import AmpSettings, StepResult, TrainStep, amp_settings
+from detector.evaluation import evaluate as default_evaluate
+from detector.modeling import build_model
+from detector.modeling.weights import load_initial_weights
 
 logger = logging.getLogger(__name__)
 
 EvaluateFn = Callable[..., Dict[str, float]]
-
-
-class NonFiniteLossError(RuntimeError):
-    """``train.max_nonfinite_steps`` non-finite losses in a row."""
 
 
 @dataclass
@@ -68,52 +69,6 @@ class TrainResult:
     status: str
     metrics: Dict[str, float] = field(default_factory=dict)
     output_dir: Optional[Path] = None
-
-
-# --------------------------------------------------------------------------- model set-up
-
-
-def _revert_sync_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace ``nn.SyncBatchNorm`` layers by ``nn.BatchNorm2d`` with the same state."""
-    out = module
-    if isinstance(module, nn.SyncBatchNorm):
-        out = nn.BatchNorm2d(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-        out.load_state_dict(module.state_dict())
-        out.train(module.training)
-        if module.affine:
-            out.weight.requires_grad_(module.weight.requires_grad)
-            out.bias.requires_grad_(module.bias.requires_grad)
-    for name, child in module.named_children():
-        out.add_module(name, _revert_sync_batchnorm(child))
-    return out
-
-
-def apply_norm_policy(model: nn.Module, cfg: Config, device: torch.device, world_size: int) -> nn.Module:
-    """``model.norm: syncbn``: convert BatchNorm layers to ``nn.SyncBatchNorm`` on CUDA.
-
-    PyTorch's SyncBatchNorm runs only on GPUs, so on a CPU device the model keeps
-    plain BatchNorm (statistics per process) and a warning says so. FrozenBN layers
-    are not BatchNorm and stay frozen.
-    """
-    if cfg.model.norm != "syncbn":
-        return model
-    if device.type != "cuda":
-        logger.warning(
-            "model.norm=syncbn: SyncBatchNorm needs CUDA; on %s the model uses plain BatchNorm "
-            "(per-process batch statistics)", device.type,
-        )
-        return _revert_sync_batchnorm(model)
-    if world_size > 1:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        logger.info("converted BatchNorm layers to SyncBatchNorm across %d processes", world_size)
-    return model
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-# --------------------------------------------------------------------------- trainer
 
 
 class Trainer:
@@ -127,9 +82,12 @@ class Trainer:
             must have ``set_epoch`` and ``set_start``).
         val_dataset: a dataset instead of ``build_dataset(cfg, "val", False)``.
         evaluate_fn: instead of ``detector.evaluation.evaluate``.
-        resume: None/False: start fresh (metrics.jsonl and checkpoints in the output
-            folder are overwritten); True: continue from
-            ``<output_dir>/checkpoints/last.pth`` if it exists; a path: from that file.
+        resume: None/False: a fresh start (refused where checkpoints exist, unless
+            ``overwrite``); True: continue the run folder's newest checkpoint, or start
+            fresh when there is none; a path: continue from that file.
+        overwrite: a fresh start deletes the checkpoints and records of the folder's run.
+        run_folder: a folder already opened by the caller (``RunFolder.open``); by
+            default the trainer opens (locks) ``train.output_dir`` until ``close()``.
     """
 
     def __init__(
@@ -141,572 +99,246 @@ class Trainer:
         val_dataset: Optional[Any] = None,
         evaluate_fn: Optional[EvaluateFn] = None,
         resume: "bool | str | os.PathLike | None" = None,
+        overwrite: bool = False,
+        run_folder: Optional[RunFolder] = None,
     ) -> None:
+        if cfg.solver.max_iter <= 0:
+            raise ValueError(f"solver.max_iter must be > 0, got {cfg.solver.max_iter}")
         self.cfg = cfg
         self.dist = dist_info or init_distributed(cfg.train.device)
         self.device = self.dist.device
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.is_main = self.rank == 0
         self.output_dir = Path(cfg.train.output_dir)
-        self.ckpt_dir = ckpt.checkpoint_dir(self.output_dir)
-        self.max_iter = cfg.solver.max_iter
-        self._check_config()
-
-        if cfg.train.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=True)
-            torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark and not cfg.train.deterministic
+        configure_torch(cfg)
         seed_everything(cfg.train.seed, self.rank)
+        self._own_folder = run_folder is None
+        self.folder = run_folder or RunFolder.open(self.output_dir, resume, overwrite, self.is_main, self.world_size)
+        try:
+            self._build(model, train_loader, val_dataset, evaluate_fn)
+        except BaseException:
+            self.close()
+            raise
 
-        # Model: build, initial weights, SyncBN, device, DDP; optimizer from the wrapped model.
+    def _build(self, model: Optional[nn.Module], train_loader: Any, val_dataset: Any, evaluate_fn: Any) -> None:
+        cfg = self.cfg
         if model is None:
-            from detector.modeling import build_model
-
             model = build_model(cfg)
             if cfg.model.weights:
                 load_initial_weights(model, cfg.model.weights)
-        model = apply_norm_policy(model, cfg, self.device, self.world_size)
-        model.to(self.device)
-        if cfg.train.channels_last:
-            model.to(memory_format=torch.channels_last)
-        if cfg.train.compile_backbone and hasattr(model, "backbone"):
-            model.backbone.compile()  # in place: state-dict keys unchanged
-        model.train()
-        if self.world_size > 1:
-            model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device] if self.device.type == "cuda" else None
-            )
-        self.model = model
-        self.model_without_ddp = _unwrap(model)
+        self.model, self.model_without_ddp = prepare_model(model, cfg, self.device, self.world_size)
         self.optimizer = build_optimizer(self.model, cfg, self.world_size)
-        self.params: List[torch.Tensor] = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
-
-        amp = cfg.train.amp
-        self.amp_enabled = amp.enabled
-        self.amp_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[amp.dtype]
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp.enabled and amp.dtype == "float16")
-
-        # Data.
-        self._train_dataset = None
+        self.amp: AmpSettings = amp_settings(cfg.train.amp, self.device)
+        self.step = TrainStep(self.model, self.optimizer, self.scheduler, self.amp, cfg.solver.clip_grad_norm, self.world_size)
+        self.scaler = self.step.scaler
         if train_loader is None:
-            from detector.data import build_dataset
-            from detector.data.loader import build_train_loader
-
-            self._train_dataset = build_dataset(cfg, "train", True)
-            train_loader = build_train_loader(cfg, self._train_dataset, self.rank, self.world_size)
+            train_loader = build_train_loader(cfg, build_dataset(cfg, "train", True), self.rank, self.world_size)
         self.train_loader = train_loader
         self._val_dataset = val_dataset
-        self._evaluate_fn = evaluate_fn
+        self._evaluate_fn = evaluate_fn or default_evaluate
 
-        # State.
-        self.iteration = 0
-        self.epoch = 0
-        self.epoch_position = 0  # batches of self.epoch already consumed
-        self.best_value: Optional[float] = None
-        self.last_metrics: Dict[str, float] = {}
+        self.state = LoopState(max_iter=cfg.solver.max_iter)
+        self.checkpointer = Checkpointer(self.output_dir, self.checkpoint_state, self.is_main, cfg.train.keep_last, self.world_size)
         self._pending_rng: Optional[Dict[str, Any]] = None
-        self._pending_data_rng: Optional[List[Dict[str, Any]]] = None
-        self._stop_signal: Optional[int] = None
-        self._nonfinite_in_row = 0
+        best_value = None
+        if self.folder.resume_from is not None:
+            best_value = self._resume(self.folder.resume_from)
 
-        resume_path = self._resume_path(resume)
-        if resume_path is not None:
-            self._load_resume(resume_path)
-
-        # Writers (rank 0 only).
-        self.jsonl: Optional[JSONLWriter] = None
-        self.tb: Optional[TensorBoardWriter] = None
+        self.writers = EventWriters()
         if self.is_main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.output_dir / "config.yaml")
-            self.jsonl = JSONLWriter(self.output_dir / "metrics.jsonl")
-            if resume_path is not None:
-                dropped = self.jsonl.truncate_after(self.iteration)
-                if dropped:
-                    logger.info("metrics.jsonl: dropped %d records past iteration %d", dropped, self.iteration)
-            elif self.jsonl.path.exists():
-                self.jsonl.path.unlink()
+            self.writers.jsonl = JSONLWriter(self.output_dir / "metrics.jsonl")
+            dropped = self.writers.jsonl.truncate_after(self.state.iteration)
+            if dropped:
+                logger.info("metrics.jsonl: dropped %d records past iteration %d", dropped, self.state.iteration)
             if cfg.train.tensorboard:
-                self.tb = TensorBoardWriter(self.output_dir / "tb", purge_step=self.iteration + 1 if resume_path else None)
-                self.tb.text("config", "```\n" + config_to_yaml(cfg) + "\n```", self.iteration)
+                purge = self.state.iteration + 1 if self.folder.resume_from is not None else None
+                self.writers.tb = TensorBoardWriter(self.output_dir / "tb", purge_step=purge)
+                self.writers.tb.text("config", "```\n" + config_to_yaml(cfg) + "\n```", self.state.iteration)
 
-    # ------------------------------------------------------------------ set-up helpers
+        self.eval_hook = EvalHook(
+            self._evaluate, self.checkpointer, cfg.train.eval_period, cfg.train.best_metric, self.writers, best_value,
+            eval_command=f"python tools/eval.py --config {self.output_dir / 'config.yaml'} --weights {{weights}}",
+            is_main=self.is_main, world_size=self.world_size,
+        )
+        self.hooks: List[HookBase] = [
+            SignalHook(),
+            NonFiniteGuard(cfg.train.max_nonfinite_steps, self.checkpointer),
+            MetricsWriter(cfg.train.log_period, self.optimizer, self.writers, self.device, self.world_size, self.scaler,
+                          progress_bar=self.is_main and _stderr_is_terminal(), is_main=self.is_main),
+            PeriodicCheckpointer(self.checkpointer, cfg.train.checkpoint_period),
+            self.eval_hook,  # after the checkpointer: the final checkpoint comes before the final evaluation
+        ]
 
-    def _check_config(self) -> None:
-        c = self.cfg
-        if c.solver.max_iter <= 0:
-            raise ValueError(f"solver.max_iter must be > 0, got {c.solver.max_iter}")
-        if c.train.log_period <= 0:
-            raise ValueError(f"train.log_period must be > 0, got {c.train.log_period}")
-        if c.train.amp.dtype not in ("float16", "bfloat16"):
-            raise ValueError(f"train.amp.dtype must be 'float16' or 'bfloat16', got {c.train.amp.dtype!r}")
-        if c.train.max_nonfinite_steps <= 0:
-            raise ValueError(f"train.max_nonfinite_steps must be > 0, got {c.train.max_nonfinite_steps}")
+    # ------------------------------------------------------------------ state
 
-    def _resume_path(self, resume: "bool | str | os.PathLike | None") -> Optional[Path]:
-        if resume is None or resume is False:
-            return None
-        if resume is True or resume == "":
-            found = ckpt.find_resume_checkpoint(self.output_dir)
-            if found is None:
-                logger.info("--resume: no checkpoint in %s; starting from scratch", self.ckpt_dir)
-            return found
-        path = Path(resume)
-        if not path.is_file():
-            raise ckpt.CheckpointError(f"--resume: checkpoint not found: {path}")
-        return path
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
 
-    def _load_resume(self, path: Path) -> None:
-        state = ckpt.load_checkpoint(path)
-        missing = [k for k in ("model", "optimizer", "scheduler", "iteration") if k not in state]
-        if missing:
-            raise ckpt.CheckpointError(f"{path} is not a training checkpoint (no {', '.join(missing)}); use --weights for weights only")
-        load_weights(self.model_without_ddp, state["model"], strict=True, name=str(path))
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler") and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["scaler"])
-        self.iteration = int(state["iteration"])
-        self.epoch = int(state.get("epoch", 0))
-        self.epoch_position = int(state.get("epoch_position", 0))
-        self.best_value = state.get("best_value")
-        rng = state.get("rng")
-        if rng is not None:
-            per_rank = rng.get("per_rank") if isinstance(rng, dict) else None
-            self._pending_rng = per_rank[self.rank] if per_rank and self.rank < len(per_rank) else None
-            self._pending_data_rng = rng.get("data") if isinstance(rng, dict) and self.world_size == 1 else None
-            if per_rank and len(per_rank) != self.world_size:
-                logger.warning("resume: checkpoint written by %d ranks, now %d; RNG streams restart", len(per_rank), self.world_size)
-        stored = state.get("config")
-        if isinstance(stored, dict):
-            try:
-                old = config_to_dict(config_from_dict(stored))
-                changed = _diff(old, config_to_dict(self.cfg))
-                if changed:
-                    logger.warning("resume: config differs from the checkpoint's in: %s", ", ".join(changed))
-            except ValueError as exc:
-                logger.warning("resume: stored config not readable (%s)", exc)
-        logger.info("resumed from %s at iteration %d (epoch %d, batch %d)", path, self.iteration, self.epoch, self.epoch_position)
+    @property
+    def epoch(self) -> int:
+        return self.state.epoch
 
-    # ------------------------------------------------------------------ checkpoints
+    @property
+    def epoch_position(self) -> int:
+        return self.state.epoch_position
 
     def checkpoint_state(self) -> Dict[str, Any]:
-        """Everything needed to resume, as tensors and plain data."""
+        """Everything needed to resume, as tensors and plain data (every rank calls it:
+        the RNG states are gathered)."""
         rng = ckpt.get_rng_state()
-        if self.world_size > 1:
-            from detector.distributed import all_gather_object
-
-            per_rank = all_gather_object(rng)
-        else:
-            per_rank = [rng]
+        per_rank = all_gather_object(rng) if self.world_size > 1 else [rng]
+        eval_hook = getattr(self, "eval_hook", None)
         return {
             "model": self.model_without_ddp.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-            "iteration": self.iteration,
-            "epoch": self.epoch,
-            "epoch_position": self.epoch_position,
-            "best_value": self.best_value,
+            "iteration": self.state.iteration,
+            "epoch": self.state.epoch,
+            "epoch_position": self.state.epoch_position,
+            "best_value": eval_hook.best_value if eval_hook is not None else None,
             "best_metric": self.cfg.train.best_metric,
-            "rng": {"per_rank": per_rank, "data": self._data_rng_state()},
+            "rng": {"per_rank": per_rank},
             "config": config_to_dict(self.cfg),
             "world_size": self.world_size,
         }
 
-    def save(self, names: List[str]) -> None:
-        """Write the checkpoint under each of ``names`` (e.g. ``["last.pth"]``); rank 0 only.
-        Every rank must call it (the RNG states are gathered)."""
-        state = self.checkpoint_state()
-        if self.is_main:
-            first = ckpt.save_checkpoint(self.ckpt_dir / names[0], state)
-            for name in names[1:]:  # the same bytes under another name: a hard link if possible
-                ckpt.link_or_copy_checkpoint(first, self.ckpt_dir / name)
-            if any(n.startswith("iter_") for n in names):
-                for p in ckpt.prune_checkpoints(self.ckpt_dir, self.cfg.train.keep_last):
-                    logger.debug("removed old checkpoint %s", p)
-            logger.info("saved checkpoint %s at iteration %d", ", ".join(names), self.iteration)
+    def _resume(self, path: Path) -> Optional[float]:
+        """Load the training state of ``path``; returns its best metric value."""
+        state = load_training_state(path, self.model_without_ddp, self.optimizer, self.scheduler, self.scaler, self.cfg)
+        self.state.iteration = int(state["iteration"])
+        self.state.epoch = int(state.get("epoch", 0))
+        self.state.epoch_position = int(state.get("epoch_position", 0))
+        per_rank = (state.get("rng") or {}).get("per_rank") or []
+        if len(per_rank) != self.world_size:
+            logger.warning("resume: checkpoint written by %d ranks, now %d; RNG streams restart", len(per_rank), self.world_size)
+        self._pending_rng = per_rank[self.rank] if self.rank < len(per_rank) else None
+        self.checkpointer.register_existing(path, self.state.iteration)
+        logger.info("resumed from %s at iteration %d (epoch %d, batch %d)", path, self.state.iteration,
+                    self.state.epoch, self.state.epoch_position)
+        return state.get("best_value")
+
+    def run_step(self, images: List[torch.Tensor], targets: List[Dict[str, Any]]) -> StepResult:
+        """One training iteration outside the loop (used by the benchmark): ``self.step``."""
+        return self.step(images, targets)
 
     # ------------------------------------------------------------------ evaluation
 
-    def _val_data(self) -> Any:
-        if self._val_dataset is None:
-            from detector.data import build_dataset
-
-            self._val_dataset = build_dataset(self.cfg, "val", False)
-        return self._val_dataset
-
-    def evaluate(self) -> Dict[str, float]:
+    def _evaluate(self, iteration: int) -> Dict[str, float]:
         """Evaluate on the val split (every rank takes part); metrics on rank 0."""
-        fn = self._evaluate_fn
-        if fn is None:
-            from detector.evaluation import evaluate as fn
-        out = self.output_dir / "eval" / f"iter_{self.iteration:07d}"
         model = self.model_without_ddp
-        t0 = time.perf_counter()
         try:
-            metrics = fn(model, self._val_data(), self.cfg, output_dir=out if self.is_main else None) or {}
-            if self.is_main and self.tb is not None and self.cfg.train.vis_images > 0:
-                self._visualise()
+            if self._val_dataset is None:
+                self._val_dataset = build_dataset(self.cfg, "val", False)
+            out = self.output_dir / "eval" / f"iter_{iteration:07d}"
+            metrics = self._evaluate_fn(model, self._val_dataset, self.cfg, output_dir=out if self.is_main else None)
+            if self.is_main and self.writers.tb is not None and self.cfg.train.vis_images > 0:
+                log_detections(model, self._val_dataset, self.writers.tb, iteration, self.cfg.train.vis_images,
+                               self.cfg.eval.score_thresh, dataclasses.replace(self.amp, enabled=self.amp.enabled and self.cfg.eval.amp))
         finally:
             model.train()
-        metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        if self.is_main:
-            logger.info(
-                "evaluation at iteration %d (%.1fs): %s", self.iteration, time.perf_counter() - t0,
-                "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-            )
-            if self.jsonl is not None:
-                self.jsonl.write({"iteration": self.iteration, "type": "eval", **metrics})
-            if self.tb is not None:
-                self.tb.scalars({f"eval/{k}": v for k, v in metrics.items() if math.isfinite(v)}, self.iteration)
-                self.tb.flush()
-        self.last_metrics = metrics
-        return metrics
-
-    @torch.no_grad()
-    def _visualise(self) -> None:
-        """Ground truth and predictions of the first ``train.vis_images`` val images to TensorBoard."""
-        dataset = self._val_data()
-        model = self.model_without_ddp
-        model.eval()
-        names = list(getattr(dataset, "class_names", []))
-        for i in range(min(self.cfg.train.vis_images, len(dataset))):
-            image, target = dataset[i]
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_enabled and self.cfg.eval.amp):
-                pred = model([image.to(self.device)])[0]
-            keep = pred["scores"] >= self.cfg.eval.score_thresh
-            labels = pred["labels"][keep].tolist()
-            scores = pred["scores"][keep].tolist()
-            captions = [f"{names[l - 1] if 0 < l <= len(names) else l} {s:.2f}" for l, s in zip(labels, scores)]
-            img = draw_detections(image, target["boxes"], pred["boxes"][keep].float(), captions)
-            self.tb.image(f"val/detections_{i}", img, self.iteration)  # type: ignore[union-attr]
+        return metrics or {}
 
     # ------------------------------------------------------------------ the loop
 
-    def _install_signal_handlers(self) -> Dict[int, Any]:
-        old: Dict[int, Any] = {}
-        if threading.current_thread() is not threading.main_thread():
-            return old
-
-        def handler(signum: int, frame: Any) -> None:
-            if self._stop_signal is not None:  # second signal: stop now
-                raise KeyboardInterrupt
-            self._stop_signal = signum
-            logger.warning("received %s: stopping after this iteration and saving a checkpoint", signal.Signals(signum).name)
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            old[sig] = signal.signal(sig, handler)
-        return old
-
-    def _set_epoch(self) -> Any:
-        bs = self.train_loader.batch_sampler
-        bs.set_epoch(self.epoch)
-        bs.set_start(self.epoch_position)
-        gen = getattr(self.train_loader, "generator", None)
-        if gen is None:
-            gen = torch.Generator()
-            self.train_loader.generator = gen
-        # Worker seeds drawn from a generator seeded by (seed, rank, epoch): they do not
-        # consume the global RNG and are the same in a resumed run.
-        gen.manual_seed(((self.cfg.train.seed * 1000003 + self.rank) * 1000003 + self.epoch) % (2**63))
+    def _epoch_batches(self) -> Iterator[Any]:
+        """Batches of the current epoch from the current position on."""
+        batch_sampler = self.train_loader.batch_sampler
+        batch_sampler.set_epoch(self.state.epoch)
+        batch_sampler.set_start(self.state.epoch_position)
+        if getattr(self.train_loader, "generator", None) is None:
+            self.train_loader.generator = torch.Generator()
+        # Worker seeds from a generator seeded by (seed, rank, epoch): the global RNG is
+        # not consumed, and a resumed run draws the same.
+        seed = ((self.cfg.train.seed * 1000003 + self.rank) * 1000003 + self.state.epoch) % (2**63)
+        self.train_loader.generator.manual_seed(seed)
         return iter(self.train_loader)
 
-    def _augmentation_pipeline(self) -> Any:
-        """The albumentations pipeline that draws the training augmentation in this
-        process (``data.num_workers: 0``), or None (workers own their RNG)."""
-        if getattr(self.train_loader, "num_workers", 1) != 0:
-            return None
-        transforms = getattr(getattr(self.train_loader, "dataset", None), "transforms", None)
-        pipe = getattr(transforms, "pipeline", None)
-        return pipe if hasattr(pipe, "random_generator") and hasattr(pipe, "py_random") else None
-
-    def _augmentation_rngs(self) -> List[Any]:
-        """The pipeline and each of its transforms, in order: each owns a numpy
-        ``random_generator`` and a ``py_random`` (albumentations seeds them separately)."""
-        pipe = self._augmentation_pipeline()
-        out: List[Any] = []
-
-        def walk(t: Any) -> None:
-            if hasattr(t, "random_generator") and hasattr(t, "py_random"):
-                out.append(t)
-            for child in getattr(t, "transforms", None) or []:
-                walk(child)
-
-        if pipe is not None:
-            walk(pipe)
-        return out
-
-    def _data_rng_state(self) -> Optional[List[Dict[str, Any]]]:
-        rngs = self._augmentation_rngs()
-        if not rngs:
-            return None
-        return [{"numpy": t.random_generator.bit_generator.state, "python": t.py_random.getstate()} for t in rngs]
-
-    def _set_data_rng_state(self, states: List[Dict[str, Any]]) -> None:
-        rngs = self._augmentation_rngs()
-        if len(rngs) != len(states):
-            logger.warning("resume: the augmentation pipeline changed; its random state is not restored")
-            return
-        for t, state in zip(rngs, states):  # in place: generator objects may be shared
-            t.random_generator.bit_generator.state = state["numpy"]
-            py = state["python"]
-            t.py_random.setstate((py[0], tuple(py[1]), py[2]))
-
-    def run_step(self, images: List[torch.Tensor], targets: List[Dict[str, Any]]) -> tuple:
-        """Forward, backward and (unless the loss is not finite) an optimizer step.
-
-        Returns ``(losses, grad_norm, skipped)``: ``losses`` a float32 tensor
-        ``[1 + L]`` (total, then the loss dict in sorted key order) on the device,
-        ``grad_norm`` a 0-d tensor, ``skipped`` whether the step was skipped.
-        """
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device_type=self.device.type, dtype=self.amp_dtype, enabled=self.amp_enabled):
-            loss_dict = self.model(images, targets)
-        keys = sorted(loss_dict)
-        self._loss_keys = keys
-        parts = [loss_dict[k].float() for k in keys]  # losses in float32
-        total = torch.stack(parts).sum()
-        self.scaler.scale(total).backward()
-        self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        clip = self.cfg.solver.clip_grad_norm
-        grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
-        if clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, clip, grad_norm, foreach=True)
-        finite = torch.isfinite(total)
-        if not self.scaler.is_enabled():  # the float16 scaler handles inf gradients itself
-            finite = finite & torch.isfinite(grad_norm)
-        flags = torch.stack([(~finite).float(), torch.tensor(float(self._stop_signal is not None), device=finite.device)])
-        if self.world_size > 1:
-            dist.all_reduce(flags)
-        nonfinite, stop = (flags > 0).tolist()  # the one per-iteration read-back
-        if stop and self._stop_signal is None:
-            self._stop_signal = signal.SIGTERM  # another rank was signalled
-        if nonfinite:
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler.is_enabled():
-                self.scaler.update()
-        else:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        self.scheduler.step()
-        return torch.cat([total.detach().reshape(1), torch.stack(parts).detach()]), grad_norm.detach(), bool(nonfinite)
-
     def train(self) -> TrainResult:
-        """Run until ``solver.max_iter``, a stop signal, or too many non-finite losses."""
-        cfg = self.cfg
-        old_handlers = self._install_signal_handlers()
-        status = "finished"
-        window: List[torch.Tensor] = []
-        window_gn: List[torch.Tensor] = []
-        window_skipped = 0
-        window_images = 0
-        data_time = 0.0
-        t_window = time.perf_counter()
-        n_window = 0
-        eta_times: List[float] = []
-        logger.info("start training at iteration %d of %d (world size %d, device %s)", self.iteration, self.max_iter, self.world_size, self.device)
+        """Run until ``solver.max_iter`` or a stop signal.
+
+        Raises:
+            NonFiniteLossError: too many non-finite losses in a row.
+            EvaluationError: the final evaluation failed (the final checkpoint is saved).
+            CheckpointWriteError: a checkpoint could not be written.
+        """
+        state = self.state
+        state.start_iter = state.iteration
+        logger.info("start training at iteration %d of %d (world size %d, device %s)",
+                    state.iteration, state.max_iter, self.world_size, self.device)
         try:
-            while self.iteration < self.max_iter and status == "finished":
-                n_batches = len(self.train_loader)
-                if self.epoch_position >= n_batches:
-                    self.epoch, self.epoch_position = self.epoch + 1, 0
-                data_iter = self._set_epoch()
-                if self._pending_rng is not None:
-                    ckpt.set_rng_state(self._pending_rng)
-                    self._pending_rng = None
-                if self._pending_data_rng is not None:
-                    self._set_data_rng_state(self._pending_data_rng)
-                    self._pending_data_rng = None
-                while self.iteration < self.max_iter:
-                    t_data = time.perf_counter()
-                    try:
-                        images, targets = next(data_iter)
-                    except StopIteration:
-                        break
-                    data_time += time.perf_counter() - t_data
-                    losses, grad_norm, skipped = self.run_step(images, targets)
-                    self.iteration += 1
-                    self.epoch_position += 1
-                    n_window += 1
-                    window_images += len(images)
-                    if skipped:
-                        self._nonfinite_in_row += 1
-                        window_skipped += 1
-                        logger.warning(
-                            "iteration %d: non-finite loss or gradient (%s); step skipped (%d in a row)",
-                            self.iteration, ", ".join(f"{k}={v:.4g}" for k, v in zip(["total_loss", *self._loss_keys], losses.tolist())),
-                            self._nonfinite_in_row,
-                        )
-                        if self._nonfinite_in_row >= cfg.train.max_nonfinite_steps:
-                            self._stop_nonfinite()
-                    else:
-                        self._nonfinite_in_row = 0
-                        window.append(losses)
-                        window_gn.append(grad_norm)
-                    if self.iteration % cfg.train.log_period == 0 or self.iteration == self.max_iter:
-                        elapsed = time.perf_counter() - t_window
-                        self._log(window, window_gn, window_skipped, window_images, elapsed, data_time, n_window, eta_times)
-                        window, window_gn, window_skipped, window_images, data_time, n_window = [], [], 0, 0, 0.0, 0
-                        t_window = time.perf_counter()
-                    done = self.iteration == self.max_iter
-                    if cfg.train.eval_period > 0 and self.iteration % cfg.train.eval_period == 0 and not done:
-                        self._evaluate_and_keep_best()
-                    if cfg.train.checkpoint_period > 0 and self.iteration % cfg.train.checkpoint_period == 0 and not done:
-                        self.save([ckpt.numbered_checkpoint_name(self.iteration), "last.pth"])
-                    if self._stop_signal is not None and not done:
-                        status = "interrupted"
-                        break
-                else:
-                    continue
-                if status == "finished" and self.iteration < self.max_iter and self.epoch_position < n_batches:
-                    # The loader ran dry early: a sampler that yields fewer batches than len().
-                    logger.warning("epoch %d ended after %d of %d batches", self.epoch, self.epoch_position, n_batches)
-                    self.epoch_position = n_batches
-            if status == "interrupted":
-                self.save(["last.pth"])
-                logger.warning(
-                    "stopped by %s at iteration %d; resume with --resume (checkpoint %s)",
-                    signal.Signals(self._stop_signal).name if self._stop_signal else "signal", self.iteration, self.ckpt_dir / "last.pth",
-                )
-            else:
-                if cfg.train.eval_period >= 0:
-                    self._evaluate_and_keep_best()
-                self.save([ckpt.numbered_checkpoint_name(self.iteration), "last.pth"])
-            barrier()
-        finally:
-            for sig, h in old_handlers.items():
-                signal.signal(sig, h)
-            if self.tb is not None:
-                self.tb.flush()
-        return TrainResult(self.iteration, status, dict(self.last_metrics), self.output_dir)
+            for hook in self.hooks:
+                hook.before_train(state)
+            self._loop(state)
+            state.status = "interrupted" if state.iteration < state.max_iter else "finished"
+        except BaseException as exc:
+            state.status, state.error = "failed", (str(exc).splitlines() or [type(exc).__name__])[0]
+            for hook in self.hooks:
+                try:
+                    hook.after_train(state)
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    logger.debug("hook %s failed after an error", type(hook).__name__, exc_info=True)
+            raise
+        for hook in self.hooks:
+            hook.after_train(state)
+        barrier()
+        if state.status == "interrupted":
+            logger.warning("stopped by %s at iteration %d; resume with --resume (checkpoint %s)",
+                           state.stop_requested or "a signal", state.iteration, self.checkpointer.newest)
+        return TrainResult(state.iteration, state.status, dict(self.eval_hook.last_metrics), self.output_dir)
+
+    def _loop(self, state: LoopState) -> None:
+        n_batches = len(self.train_loader)
+        if n_batches == 0:
+            raise ValueError("the training loader yields no batches: check data.train and solver.images_per_gpu")
+        while state.iteration < state.max_iter:
+            if state.epoch_position >= n_batches:
+                state.epoch, state.epoch_position = state.epoch + 1, 0
+            batches = self._epoch_batches()
+            if self._pending_rng is not None:  # after the iterator, as in the straight run
+                ckpt.set_rng_state(self._pending_rng)
+                self._pending_rng = None
+            while state.iteration < state.max_iter:
+                t0 = time.perf_counter()
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                images, targets = batch
+                state.data_time, state.batch_images = time.perf_counter() - t0, len(images)
+                state.step = self.step(images, targets, stop_requested=state.stop_requested is not None)
+                state.iteration += 1
+                state.epoch_position += 1
+                if state.step.stop and state.stop_requested is None:
+                    state.stop_requested = "a signal to another rank"
+                for hook in self.hooks:
+                    hook.after_step(state)
+                if state.stopping:
+                    return
+            if state.iteration < state.max_iter and state.epoch_position < n_batches:
+                logger.warning("epoch %d ended after %d of %d batches", state.epoch, state.epoch_position, n_batches)
+                state.epoch_position = n_batches
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
-
-    def _stop_nonfinite(self) -> None:
-        k = self.cfg.train.max_nonfinite_steps
-        last = self.ckpt_dir / "last.pth"
-        if self.is_main and self.jsonl is not None:
-            self.jsonl.write({"iteration": self.iteration, "type": "stopped", "reason": f"{k} non-finite losses in a row"})
-        if self._rank0_decides(not last.is_file()):
-            # No earlier checkpoint: the current weights are the last good ones (the bad
-            # steps were skipped), so keep them.
-            self.save(["last.pth"])
-        barrier()
-        raise NonFiniteLossError(
-            f"{k} non-finite losses in a row (train.max_nonfinite_steps={k}) at iteration {self.iteration}; "
-            f"stopped. Last good checkpoint: {last}. Lower solver.lr, enable solver.clip_grad_norm, or check the data"
-        )
-
-    def _evaluate_and_keep_best(self) -> None:
-        metrics = self.evaluate()
-        name = self.cfg.train.best_metric
-        value: Optional[float] = None
-        if self.is_main and metrics:
-            if name not in metrics:
-                logger.warning("train.best_metric=%r is not among the evaluation metrics %s; best.pth not written", name, sorted(metrics))
-            elif math.isfinite(metrics[name]) and (self.best_value is None or metrics[name] > self.best_value):
-                value = metrics[name]
-        value = self._rank0_decides(value)
-        if value is not None:
-            self.best_value = value
-            self.save(["best.pth"])
-            if self.is_main:
-                logger.info("new best %s %.4f at iteration %d", name, value, self.iteration)
-
-    def _rank0_decides(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank."""
-        if self.world_size == 1:
-            return value
-        from detector.distributed import all_gather_object
-
-        return all_gather_object(value)[0]
-
-    def _log(
-        self,
-        window: List[torch.Tensor],
-        window_gn: List[torch.Tensor],
-        skipped: int,
-        images: int,
-        elapsed: float,
-        data_time: float,
-        n: int,
-        eta_times: List[float],
-    ) -> None:
-        keys = ["total_loss", *getattr(self, "_loss_keys", [])]
-        if window:
-            mean = torch.stack(window).mean(0)
-            gn = torch.stack(window_gn).mean()
-        else:
-            mean = torch.full((len(keys),), float("nan"), device=self.device)
-            gn = torch.tensor(float("nan"), device=self.device)
-        stats = torch.cat([mean, gn.reshape(1).float(), torch.tensor([float(images), float(skipped)], device=mean.device)])
-        if self.world_size > 1:
-            dist.all_reduce(stats)
-            stats[: len(keys) + 1] /= self.world_size  # mean losses and grad norm over ranks
-        values = stats.tolist()
-        it_time = elapsed / max(1, n)
-        eta_times.append(it_time)
-        del eta_times[:-5]
-        recent = eta_times[-5:]
-        eta = (sum(recent) / len(recent)) * (self.max_iter - self.iteration)
-        groups = self.optimizer.param_groups
-        record: Dict[str, Any] = {
-            "iteration": self.iteration,
-            "type": "train",
-            "epoch": self.epoch,
-            **{k: v for k, v in zip(keys, values)},
-            "grad_norm": values[len(keys)],
-            "lr": max(g["lr"] for g in groups),
-            **{f"lr/{g.get('name', i)}": g["lr"] for i, g in enumerate(groups)},
-            "time": it_time,
-            "data_time": data_time / max(1, n),
-            "images_per_sec": values[len(keys) + 1] / max(elapsed, 1e-9),
-            "memory_mb": peak_memory_mb(self.device),
-            "nonfinite_skipped": int(values[len(keys) + 2]),
-        }
-        if self.scaler.is_enabled():
-            record["amp_scale"] = float(self.scaler.get_scale())
-        if not self.is_main:
-            return
-        logger.info(format_console_line(record, self.max_iter, eta))
-        if self.jsonl is not None:
-            self.jsonl.write(record)
-        if self.tb is not None:
-            tags = {f"loss/{k}": record[k] for k in keys}
-            tags.update({f"lr/{g.get('name', i)}": g["lr"] for i, g in enumerate(groups)})
-            tags.update({
-                "train/grad_norm": record["grad_norm"],
-                "time/iter": record["time"],
-                "time/data": record["data_time"],
-                "train/images_per_sec": record["images_per_sec"],
-                "memory/peak_mb": record["memory_mb"],
-            })
-            if "amp_scale" in record:
-                tags["train/amp_scale"] = record["amp_scale"]
-            self.tb.scalars({k: v for k, v in tags.items() if math.isfinite(v)}, self.iteration)
+        """Close the writers and release the run folder (if this trainer opened it)."""
+        writers = getattr(self, "writers", None)
+        if writers is not None and writers.tb is not None:
+            writers.tb.close()
+            writers.tb = None
+        if self._own_folder and self.folder is not None:
+            self.folder.close()
 
 
-def _diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out.extend(_diff(va, vb, f"{prefix}{k}."))
-        elif va != vb:
-            out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
-    return out
+def _stderr_is_terminal() -> bool:
+    return sys.stderr.isatty()
 
 
-def train(cfg: Config, resume: "bool | str | None" = None) -> TrainResult:
+def train(cfg: Config, resume: "bool | str | None" = None, overwrite: bool = False,
+          dist_info: Optional[DistInfo] = None, run_folder: Optional[RunFolder] = None) -> TrainResult:
     """Build everything from ``cfg`` and train; the entry point of tools/train.py."""
-    trainer = Trainer(cfg, resume=resume)
+    trainer = Trainer(cfg, dist_info=dist_info, resume=resume, overwrite=overwrite, run_folder=run_folder)
     try:
         return trainer.train()
     finally:

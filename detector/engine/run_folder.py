@@ -1,0 +1,188 @@
+"""The run folder (``train.output_dir``): one run at a time, and no mixing of runs.
+
+``RunFolder.open(output_dir, resume, overwrite)``, on rank 0:
+
+- takes an exclusive ``fcntl.flock`` on ``<output_dir>/.lock`` for the whole run; a
+  second run into a busy folder fails with one line naming the folder ("busy");
+- refuses a fresh start (no ``resume``) into a folder that already holds checkpoints,
+  naming what it holds and the choices: ``--resume``, another ``--output-dir``, or
+  ``--overwrite``, which deletes the old checkpoints, metrics, TensorBoard events,
+  evaluations and log;
+- with ``resume=True`` picks ``checkpoints/last.pth`` (or the newest ``iter_*.pth``),
+  or, when there is none, says so and starts fresh: one command line serves the first
+  start and every automatic restart;
+- on every fresh start removes the previous run's ``metrics.jsonl``, ``tb/``, ``eval/``
+  and ``log.txt``, so old records never mix with new ones;
+- removes stale ``*.tmp`` files left by saves that were killed midway.
+
+Every rank calls ``open``; rank 0 decides and the other ranks get its decision (the
+error, or the checkpoint to resume from). The lock is released by ``close`` or when
+the process ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import IO, Any, List, Optional, Tuple
+
+from detector.engine import checkpoint as ckpt
+from detector.distributed import all_gather_object
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+_RUN_OUTPUTS = ("metrics.jsonl", "tb", "eval", "log.txt")
+
+
+class RunFolderError(RuntimeError):
+    """The run folder cannot be used as asked: one line."""
+
+
+def _checkpoint_files(output_dir: Path) -> List[Path]:
+    return sorted(ckpt.checkpoint_dir(output_dir).glob("*.pth"))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def remove_stale_temp_files(output_dir: "str | os.PathLike") -> List[Path]:
+    """Delete ``*.tmp`` files in the run folder and its ``checkpoints/``; returns them.
+    Only safe while holding the folder's lock (no live writer)."""
+    out = Path(output_dir)
+    stale = [p for d in (out, ckpt.checkpoint_dir(out)) if d.is_dir() for p in d.glob("*.tmp") if p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+class RunFolder:
+    """A run folder held by this process (rank 0), or a plain handle (other ranks).
+
+    Attributes:
+        path: the folder.
+        resume_from: the checkpoint to resume from, or None for a fresh start.
+    """
+
+    def __init__(self, path: Path, resume_from: Optional[Path], lock_file: Optional[IO[str]] = None) -> None:
+        self.path = path
+        self.resume_from = resume_from
+        self._lock_file = lock_file
+
+    @classmethod
+    def open(
+        cls,
+        output_dir: "str | os.PathLike",
+        resume: "bool | str | os.PathLike | None" = None,
+        overwrite: bool = False,
+        is_main: bool = True,
+        world_size: int = 1,
+    ) -> "RunFolder":
+        """Lock and prepare ``output_dir`` (see the module docstring).
+
+        Args:
+            resume: None/False: a fresh start; True: continue the folder's newest
+                checkpoint, if any; a path: continue from that checkpoint file.
+            overwrite: a fresh start may delete the checkpoints the folder holds.
+
+        Raises:
+            RunFolderError: busy, used, unwritable, or no such checkpoint (every rank).
+        """
+        path = Path(output_dir)
+        folder: Optional[RunFolder] = None
+        decision: Tuple[Optional[str], Optional[str]] = (None, None)  # (resume path, error)
+        if is_main:
+            try:
+                folder = cls._open_main(path, resume, overwrite)
+                decision = (str(folder.resume_from) if folder.resume_from else None, None)
+            except RunFolderError as exc:
+                decision = (None, str(exc))
+        if world_size > 1:
+            decision = all_gather_object(decision)[0]
+        resume_from, error = decision
+        if error is not None:
+            raise RunFolderError(error)
+        if folder is None:
+            folder = cls(path, Path(resume_from) if resume_from else None)
+        return folder
+
+    @classmethod
+    def _open_main(cls, path: Path, resume: Any, overwrite: bool) -> "RunFolder":
+        if resume not in (None, False) and overwrite:
+            raise RunFolderError("--resume and --overwrite exclude each other: continue the run, or delete it and start over")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            lock_file = open(path / LOCK_NAME, "a+")
+        except OSError as exc:
+            raise RunFolderError(f"cannot use train.output_dir={path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock_file.seek(0)
+            holder = lock_file.read().strip() or "another process"
+            lock_file.close()
+            raise RunFolderError(
+                f"run folder {path} is busy: {holder} is training into it; wait for it to end or use another --output-dir"
+            ) from None
+        try:
+            lock_file.seek(0)
+            lock_file.truncate()
+            lock_file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            lock_file.flush()
+            folder = cls(path, cls._resume_point(path, resume, overwrite), lock_file)
+        except BaseException:
+            lock_file.close()
+            raise
+        stale = remove_stale_temp_files(path)
+        if stale:
+            logger.info("removed %d stale temporary files from saves that were killed midway", len(stale))
+        return folder
+
+    @staticmethod
+    def _resume_point(path: Path, resume: Any, overwrite: bool) -> Optional[Path]:
+        """The checkpoint to continue from (None: fresh), clearing an old run for a fresh start."""
+        if resume not in (None, False, True, ""):
+            explicit = Path(resume)
+            if not explicit.is_file():
+                raise RunFolderError(f"--resume: checkpoint not found: {explicit}")
+            return explicit
+        held = _checkpoint_files(path)
+        if resume in (True, ""):
+            found = ckpt.find_resume_checkpoint(path)
+            if found is not None:
+                return found
+            logger.info("--resume: no checkpoint to continue in %s; starting a fresh run", ckpt.checkpoint_dir(path))
+            held = []  # (at most a best.pth: the new run replaces it at its first evaluation)
+        if held and not overwrite:
+            shown = ", ".join(p.name for p in held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise RunFolderError(
+                f"run folder {path} already holds checkpoints ({shown}): continue it with --resume, "
+                "choose another --output-dir, or pass --overwrite to delete them and start over"
+            )
+        if held:
+            logger.warning("--overwrite: deleting %d checkpoints of the previous run in %s", len(held), path)
+            _remove(ckpt.checkpoint_dir(path))
+        for name in _RUN_OUTPUTS:  # the previous run's records must not mix with this one's
+            _remove(path / name)
+        return None
+
+    def close(self) -> None:
+        """Release the lock (rank 0)."""
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing the descriptor drops the flock
+            self._lock_file = None
+
+    def __enter__(self) -> "RunFolder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

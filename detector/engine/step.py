@@ -1,0 +1,156 @@
+"""One training iteration: ``TrainStep``.
+
+forward (under autocast when AMP is on) -> float32 loss sum -> backward (scaled by a
+``GradScaler`` for float16) -> unscale -> gradient norm and clipping -> the non-finite
+check -> optimizer step (or a skipped step) -> LR scheduler step.
+
+The step reads back ONE small tensor from the device per call: the flags
+``[non-finite, stop requested]``, all-reduced across ranks under DDP so that every
+rank skips (or stops) together. Losses and the gradient norm stay on the device; the
+caller reads them at logging points only. docs/training.md says where a device-side
+skip would remove the read-back on CUDA.
+
+The trainer and the benchmark both use this class; it needs nothing but the model,
+the optimizer, the scheduler and the AMP settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+_AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class AmpSettings:
+    """Mixed precision: ``enabled`` and the autocast ``dtype``. float16 needs a GradScaler."""
+
+    enabled: bool = False
+    dtype: torch.dtype = torch.float16
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.enabled and self.dtype == torch.float16
+
+
+def amp_settings(amp_cfg: Any, device: torch.device) -> AmpSettings:
+    """``train.amp`` (``enabled``, ``dtype``: ``float16`` | ``bfloat16``) for ``device``.
+
+    The one place that turns the AMP config into settings.
+    """
+    if amp_cfg.dtype not in _AMP_DTYPES:
+        raise ValueError(f"train.amp.dtype must be 'float16' or 'bfloat16', got {amp_cfg.dtype!r}")
+    return AmpSettings(enabled=bool(amp_cfg.enabled), dtype=_AMP_DTYPES[amp_cfg.dtype])
+
+
+@dataclass
+class StepResult:
+    """What one ``TrainStep`` call returns.
+
+    Attributes:
+        losses: float32 ``[1 + L]`` on the device: the total, then the model's losses
+            in the order of ``loss_names[1:]`` (sorted names). Not synchronised.
+        loss_names: ``("total_loss", *sorted loss names)``.
+        grad_norm: 0-d float32 tensor on the device, the total L2 norm of the unscaled
+            gradients before clipping.
+        skipped: no optimizer step was taken (on any rank): the loss or a gradient was
+            not finite somewhere.
+        nonfinite: the loss was not finite on some rank, or, without a float16
+            GradScaler, a gradient. A float16 overflow of the gradients is the scaler's
+            normal calibration (it lowers its scale): skipped, but not ``nonfinite``.
+        stop: some rank asked to stop (a signal); every rank sees the same value.
+    """
+
+    losses: Tensor
+    loss_names: Tuple[str, ...]
+    grad_norm: Tensor
+    skipped: bool
+    nonfinite: bool
+    stop: bool
+
+
+class TrainStep:
+    """A callable doing one training iteration; see the module docstring.
+
+    Args:
+        model: the detector (possibly DDP-wrapped); in training mode it returns a dict
+            of scalar losses.
+        optimizer: its parameter groups hold every parameter to train.
+        scheduler: stepped once per call (skipped steps included, so the schedule
+            follows the iteration count).
+        amp: autocast settings (``amp_settings``).
+        clip_grad_norm: max total L2 norm of the gradients; ``<= 0`` turns clipping off.
+        world_size: processes in the default process group (> 1: the flags are all-reduced).
+        scaler: a GradScaler to use (e.g. restored from a checkpoint); by default one is
+            made, enabled for float16 AMP only.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        amp: AmpSettings = AmpSettings(),
+        clip_grad_norm: float = 0.0,
+        world_size: int = 1,
+        scaler: Optional[torch.amp.GradScaler] = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.amp = amp
+        self.clip_grad_norm = float(clip_grad_norm)
+        self.world_size = int(world_size)
+        self.params: List[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("the optimizer has no parameters to train")
+        self.device = self.params[0].device
+        self.scaler = scaler if scaler is not None else torch.amp.GradScaler(self.device.type, enabled=amp.uses_scaler)
+        # [0, 1] on the device: the stop flag is picked from it without a host-to-device copy.
+        self._zero_one = torch.tensor([0.0, 1.0], device=self.device)
+
+    def __call__(self, images: List[Tensor], targets: List[Dict[str, Any]], stop_requested: bool = False) -> StepResult:
+        """Train on one batch: ``images`` (list of ``[3, H, W]`` float tensors) and their
+        ``targets`` (dicts with ``boxes`` ``[N, 4]`` xyxy pixels and ``labels`` ``[N]``)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled):
+            loss_dict = self.model(images, targets)
+        names = sorted(loss_dict)
+        parts = torch.stack([loss_dict[k].float() for k in names])  # losses summed in float32
+        total = parts.sum()
+        self.scaler.scale(total).backward()
+        self.scaler.unscale_(self.optimizer)  # no-op when the scaler is disabled
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True).float()
+        else:
+            grad_norm = torch.zeros((), device=self.device)
+        if self.clip_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.clip_grad_norm, grad_norm, foreach=True)
+        # A non-finite gradient makes the norm non-finite.
+        flags = torch.stack([
+            (~torch.isfinite(total)).float(),
+            (~torch.isfinite(grad_norm)).float(),
+            self._zero_one[int(bool(stop_requested))],
+        ])
+        if self.world_size > 1:
+            dist.all_reduce(flags)
+        bad_loss, bad_grads, stop = (flags > 0).tolist()  # the one host read-back of the iteration
+        skipped = bad_loss or bad_grads
+        nonfinite = bad_loss or (bad_grads and not self.scaler.is_enabled())
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            # The gradients are unscaled and known finite: step the optimizer directly
+            # (GradScaler.step would read its inf flag back a second time).
+            self.optimizer.step()
+        if self.scaler.is_enabled():
+            self.scaler.update()  # lowers the scale after an inf/NaN, on the device
+        self.scheduler.step()
+        losses = torch.cat([total.detach().reshape(1), parts.detach()])
+        return StepResult(losses, ("total_loss", *names), grad_norm.detach(), skipped, nonfinite, stop)

@@ -1,0 +1,297 @@
+"""The loop's hooks, driven through their public methods with a hand-made LoopState."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from detector.engine.checkpointer import Checkpointer, CheckpointWriteError
+from detector.engine.hooks import (
+    EvalHook,
+    EvaluationError,
+    EventWriters,
+    LoopState,
+    MetricsWriter,
+    NonFiniteGuard,
+    NonFiniteLossError,
+    PeriodicCheckpointer,
+    SignalHook,
+)
+from detector.engine.log import JSONLWriter, read_jsonl
+from detector.engine.step import StepResult
+
+NAMES = ("total_loss", "loss_a", "loss_b")
+
+
+def result(a: float, b: float, grad_norm: float = 1.0, stop: bool = False) -> StepResult:
+    total = a + b
+    bad = not math.isfinite(total)
+    return StepResult(torch.tensor([total, a, b]), NAMES, torch.tensor(grad_norm), bad, bad, stop)
+
+
+def run_steps(hooks, state: LoopState, results) -> None:
+    for r in results:
+        state.step = r
+        state.iteration += 1
+        state.batch_images = 2
+        for h in hooks:
+            h.after_step(state)
+
+
+class Params(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(4.0))
+
+
+def make_checkpointer(tmp_path, module: nn.Module, opt=None, keep_last: int = 0) -> Checkpointer:
+    opt = opt or torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    return Checkpointer(tmp_path, lambda: {"model": module.state_dict(), "optimizer": opt.state_dict()}, keep_last=keep_last)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metrics_writer_means_names_lrs_and_counts_skipped(tmp_path, caplog):
+    model = Params()
+    opt = torch.optim.SGD([{"params": [model.w], "lr": 0.02, "name": "default"}])
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))], "lr": 0.002, "name": "backbone.body"})
+    writers = EventWriters(jsonl=JSONLWriter(tmp_path / "metrics.jsonl"))
+    hook = MetricsWriter(3, opt, writers, torch.device("cpu"))
+    state = LoopState(max_iter=4)
+    with caplog.at_level(logging.INFO, logger="detector.engine"):
+        hook.before_train(state)
+        run_steps([hook], state, [result(1.0, 2.0, 4.0), result(float("nan"), 1.0, float("nan")), result(3.0, 4.0, 2.0),
+                                  result(5.0, 5.0, 1.0)])
+        state.status = "finished"
+        hook.after_train(state)
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["iteration"] for r in recs] == [3, 4]
+    first = recs[0]
+    # Means over the finite steps only; the NaN step is counted.
+    assert (first["total_loss"], first["loss_a"], first["loss_b"]) == (5.0, 2.0, 3.0)
+    assert first["grad_norm"] == 3.0 and first["nonfinite_skipped"] == 1
+    assert first["lr"] == 0.02 and first["lr/default"] == 0.02 and first["lr/backbone.body"] == 0.002
+    assert recs[1]["total_loss"] == 10.0 and recs[1]["nonfinite_skipped"] == 0
+    # The console line names each group's LR.
+    assert "lr[default] 0.02" in caplog.text and "lr[backbone.body] 0.002" in caplog.text and "eta" in caplog.text
+
+
+def test_metrics_writer_progress_bar_keeps_log_lines_out_of_the_console(tmp_path, capsys, caplog):
+    model = Params()
+    opt = torch.optim.SGD([{"params": [model.w], "lr": 0.5, "name": "default"}])
+    hook = MetricsWriter(1, opt, EventWriters(), torch.device("cpu"), progress_bar=True)
+    state = LoopState(max_iter=2)
+    with caplog.at_level(logging.DEBUG, logger="detector.engine"):
+        hook.before_train(state)
+        run_steps([hook], state, [result(1.0, 1.0), result(1.0, 2.0)])
+        state.status = "finished"
+        hook.after_train(state)
+    err = capsys.readouterr().err
+    assert "train: 100%" in err and "2/2" in err and "loss 3.0000" in err
+    # The full line still goes to the log (DEBUG: log.txt), not to the console at INFO.
+    lines = [r for r in caplog.records if "iter 2/2" in r.getMessage()]
+    assert lines and all(r.levelno == logging.DEBUG for r in lines)
+
+
+def test_failed_run_leaves_a_stopped_record(tmp_path):
+    opt = torch.optim.SGD(Params().parameters(), lr=0.1)
+    writers = EventWriters(jsonl=JSONLWriter(tmp_path / "m.jsonl"))
+    hook = MetricsWriter(10, opt, writers, torch.device("cpu"))
+    state = LoopState(max_iter=5, iteration=3, status="failed", error="boom")
+    hook.after_train(state)
+    assert read_jsonl(tmp_path / "m.jsonl") == [{"iteration": 3, "type": "stopped", "reason": "boom"}]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_periodic_and_final_checkpoints(tmp_path):
+    module = Params()
+    ck = make_checkpointer(tmp_path, module, keep_last=2)
+    hook = PeriodicCheckpointer(ck, period=2)
+    state = LoopState(max_iter=7)
+    run_steps([hook], state, [result(1.0, 1.0)] * 7)
+    state.status = "finished"
+    hook.after_train(state)
+    d = tmp_path / "checkpoints"
+    assert sorted(p.name for p in d.iterdir()) == ["iter_0000006.pth", "iter_0000007.pth", "last.pth"]
+    assert ck.saved["last.pth"] == 7 and ck.newest == d / "last.pth"
+
+
+def test_stop_writes_last_once(tmp_path):
+    ck = make_checkpointer(tmp_path, Params())
+    hook = PeriodicCheckpointer(ck, period=2)
+    state = LoopState(max_iter=10)
+    run_steps([hook], state, [result(1.0, 1.0)] * 4)  # last.pth at 4 by the period
+    mtime = (tmp_path / "checkpoints" / "last.pth").stat().st_mtime_ns
+    state.status = "interrupted"
+    hook.after_train(state)
+    assert (tmp_path / "checkpoints" / "last.pth").stat().st_mtime_ns == mtime  # not rewritten
+    run_steps([hook], state, [result(1.0, 1.0)])
+    hook.after_train(state)
+    assert torch.load(tmp_path / "checkpoints" / "last.pth", weights_only=True)["model"]["w"].tolist() == [0, 1, 2, 3]
+    assert ck.saved["last.pth"] == 5
+
+
+def test_nonfinite_state_is_never_saved(tmp_path, caplog):
+    module = Params()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    ck = make_checkpointer(tmp_path, module, opt)
+    assert ck.save(["last.pth"], 1) == tmp_path / "checkpoints" / "last.pth"
+    with torch.no_grad():
+        module.w[2] = float("inf")
+    with caplog.at_level(logging.ERROR, logger="detector.engine"):
+        assert ck.save(["iter_0000002.pth", "last.pth"], 2) is None
+    assert "NOT written" in caplog.text and "w" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pth"]
+    assert ck.newest == tmp_path / "checkpoints" / "last.pth" and ck.newest_iteration == 1
+    # Finite weights but a poisoned momentum buffer: refused too.
+    with torch.no_grad():
+        module.w[2] = 0.0
+    module.w.grad = torch.full((4,), float("nan"))
+    opt.step()
+    module.w.data.copy_(torch.arange(4.0))
+    assert ck.save(["last.pth"], 3) is None
+
+
+def test_full_disk_is_one_line_naming_output_dir_and_keeps_last(tmp_path, monkeypatch):
+    ck = make_checkpointer(tmp_path, Params())
+    ck.save(["last.pth"], 1)
+
+    def full_disk(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointWriteError) as e:
+        ck.save(["iter_0000002.pth", "last.pth"], 2)
+    monkeypatch.undo()
+    msg = str(e.value)
+    assert "\n" not in msg and f"train.output_dir={tmp_path}" in msg and "No space left on device" in msg
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pth"]  # no .tmp left
+    assert torch.load(tmp_path / "checkpoints" / "last.pth", weights_only=True)["model"]["w"].tolist() == [0, 1, 2, 3]
+    assert ck.saved["last.pth"] == 1
+
+
+# --------------------------------------------------------------------------- non-finite guard
+
+
+def test_guard_names_the_newest_finite_checkpoint(tmp_path, caplog):
+    module = Params()
+    ck = make_checkpointer(tmp_path, module)
+    hooks = [NonFiniteGuard(3, ck), PeriodicCheckpointer(ck, period=2)]
+    state = LoopState(max_iter=100)
+    nan = result(float("nan"), 1.0, float("nan"))
+    run_steps(hooks, state, [result(1.0, 1.0)] * 2 + [nan] * 2 + [result(1.0, 1.0)])  # the run recovers
+    with torch.no_grad():
+        module.w.fill_(float("nan"))  # the weights went bad: iteration 6's checkpoint is refused
+    with pytest.raises(NonFiniteLossError) as e, caplog.at_level(logging.WARNING, logger="detector.engine"):
+        run_steps(hooks, state, [nan] * 3)
+    msg = str(e.value)
+    assert "\n" not in msg and "3 non-finite losses in a row" in msg and "at iteration 8" in msg
+    assert f"newest finite checkpoint: {tmp_path / 'checkpoints' / 'last.pth'} (iteration 4)" in msg
+    assert "step skipped (2 in a row)" in caplog.text
+    named = torch.load(tmp_path / "checkpoints" / "last.pth", weights_only=True)
+    assert torch.isfinite(named["model"]["w"]).all()
+
+
+def test_guard_saves_the_untouched_state_when_no_checkpoint_exists(tmp_path):
+    ck = make_checkpointer(tmp_path, Params())
+    state = LoopState(max_iter=100)
+    with pytest.raises(NonFiniteLossError, match="newest finite checkpoint: .*last.pth \\(iteration 2\\)"):
+        run_steps([NonFiniteGuard(2, ck)], state, [result(float("inf"), 1.0)] * 2)
+    assert ck.saved == {"last.pth": 2}
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def test_failing_evaluation_is_one_line_and_costs_no_checkpoint(tmp_path, caplog):
+    ck = make_checkpointer(tmp_path, Params())
+    calls = []
+
+    def evaluate(iteration):
+        calls.append(iteration)
+        raise FileNotFoundError(f"image not found: /data/val/{iteration}.jpg\nsecond line")
+
+    writers = EventWriters(jsonl=JSONLWriter(tmp_path / "metrics.jsonl"))
+    ev = EvalHook(evaluate, ck, period=2, best_metric="AP", writers=writers,
+                  eval_command="python tools/eval.py --config run/config.yaml --weights {weights}")
+    hooks = [PeriodicCheckpointer(ck, period=2), ev]
+    state = LoopState(max_iter=3)
+    with caplog.at_level(logging.ERROR, logger="detector.engine"):
+        run_steps(hooks, state, [result(1.0, 1.0)] * 3)  # periodic evaluation at 2 fails: training goes on
+    assert calls == [2] and state.iteration == 3
+    last = tmp_path / "checkpoints" / "last.pth"
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [f"evaluation at iteration 2 failed (FileNotFoundError: image not found: /data/val/2.jpg); "
+                      f"no checkpoint is lost: evaluate later with: "
+                      f"python tools/eval.py --config run/config.yaml --weights {last}"]
+    state.status = "finished"
+    with pytest.raises(EvaluationError) as e:
+        for h in hooks:
+            h.after_train(state)
+    msg = str(e.value)
+    assert "\n" not in msg and "evaluation at iteration 3 failed" in msg and str(last) in msg
+    assert torch.load(last, weights_only=True) is not None and ck.saved["last.pth"] == 3  # written before
+    assert not (tmp_path / "metrics.jsonl").exists()  # no eval record from a failed evaluation
+
+
+def test_best_checkpoint_follows_the_best_metric(tmp_path):
+    module = Params()
+    ck = make_checkpointer(tmp_path, module)
+    values = iter([0.1, 0.3, 0.2])
+
+    def evaluate(iteration):
+        with torch.no_grad():
+            module.w.fill_(iteration)
+        return {"AP": next(values), "AP50": 0.5}
+
+    writers = EventWriters(jsonl=JSONLWriter(tmp_path / "metrics.jsonl"))
+    ev = EvalHook(evaluate, ck, period=1, best_metric="AP", writers=writers)
+    state = LoopState(max_iter=4)
+    run_steps([ev], state, [result(1.0, 1.0)] * 3)
+    best = torch.load(tmp_path / "checkpoints" / "best.pth", weights_only=True)
+    assert best["model"]["w"].tolist() == [2.0] * 4 and ev.best_value == 0.3
+    assert [(r["iteration"], r["AP"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(1, 0.1), (2, 0.3), (3, 0.2)]
+    assert ev.last_metrics == {"AP": 0.2, "AP50": 0.5}
+
+
+def test_no_evaluation_when_stopping_or_disabled(tmp_path):
+    ck = make_checkpointer(tmp_path, Params())
+    calls = []
+    ev = EvalHook(lambda it: calls.append(it) or {}, ck, period=1, best_metric="AP", writers=EventWriters())
+    state = LoopState(max_iter=5)
+    run_steps([ev], state, [result(1.0, 1.0, stop=True)])
+    state.status = "interrupted"
+    ev.after_train(state)
+    off = EvalHook(lambda it: calls.append(it) or {}, ck, period=-1, best_metric="AP", writers=EventWriters())
+    state = LoopState(max_iter=1, iteration=1, status="finished")
+    off.after_train(state)
+    assert calls == []
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def test_signal_hook_requests_a_stop_and_restores_handlers():
+    previous = signal.getsignal(signal.SIGTERM)
+    hook = SignalHook()
+    state = LoopState(max_iter=10)
+    hook.before_train(state)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert state.stop_requested == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):  # a second signal: stop at once
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        hook.after_train(state)
+    assert signal.getsignal(signal.SIGTERM) is previous
