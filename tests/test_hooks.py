@@ -184,21 +184,35 @@ def test_full_disk_is_one_line_naming_output_dir_and_keeps_last(tmp_path, monkey
 # --------------------------------------------------------------------------- non-finite guard
 
 
-def test_guard_names_the_newest_finite_checkpoint(tmp_path, caplog):
+def test_guard_names_a_finite_checkpoint_from_before_the_failing_steps(tmp_path, caplog):
     module = Params()
     ck = make_checkpointer(tmp_path, module)
-    hooks = [NonFiniteGuard(3, ck), PeriodicCheckpointer(ck, period=2)]
+    hooks = [NonFiniteGuard(3, ck), PeriodicCheckpointer(ck, period=1)]
     state = LoopState(max_iter=100)
     nan = result(float("nan"), 1.0, float("nan"))
-    run_steps(hooks, state, [result(1.0, 1.0)] * 2 + [nan] * 2 + [result(1.0, 1.0)])  # the run recovers
-    with torch.no_grad():
-        module.w.fill_(float("nan"))  # the weights went bad: iteration 6's checkpoint is refused
+    run_steps(hooks, state, [result(1.0, 1.0)] * 2 + [nan] * 2 + [result(1.0, 1.0)] * 3)  # the run recovers
+    assert ck.saved["last.pth"] == 7 and "iter_0000003.pth" not in ck.saved  # no save of a skipped step
     with pytest.raises(NonFiniteLossError) as e, caplog.at_level(logging.WARNING, logger="detector.engine"):
         run_steps(hooks, state, [nan] * 3)
     msg = str(e.value)
-    assert "\n" not in msg and "3 non-finite losses in a row" in msg and "at iteration 8" in msg
-    assert f"newest finite checkpoint: {tmp_path / 'checkpoints' / 'last.pth'} (iteration 4)" in msg
+    assert "\n" not in msg and "3 non-finite losses in a row" in msg and "at iteration 10" in msg
+    # Steps 8-10 failed; resuming from 7 would repeat step 8's forward pass: iteration 6 is named.
+    assert f"before the failing steps: {tmp_path / 'checkpoints' / 'iter_0000006.pth'} (iteration 6)" in msg
     assert "step skipped (2 in a row)" in caplog.text
+
+
+def test_guard_never_names_a_poisoned_state(tmp_path):
+    module = Params()
+    ck = make_checkpointer(tmp_path, module)
+    hooks = [NonFiniteGuard(2, ck), PeriodicCheckpointer(ck, period=1)]
+    state = LoopState(max_iter=100)
+    run_steps(hooks, state, [result(1.0, 1.0)] * 3)
+    with torch.no_grad():
+        module.w.fill_(float("nan"))  # step 4 was finite but left NaN weights: not saved
+    run_steps(hooks, state, [result(1.0, 1.0)])
+    assert ck.saved["last.pth"] == 3
+    with pytest.raises(NonFiniteLossError, match=r"before the failing steps: .*last.pth \(iteration 3\)"):
+        run_steps(hooks, state, [result(float("nan"), 1.0)] * 2)
     named = torch.load(tmp_path / "checkpoints" / "last.pth", weights_only=True)
     assert torch.isfinite(named["model"]["w"]).all()
 
@@ -206,7 +220,7 @@ def test_guard_names_the_newest_finite_checkpoint(tmp_path, caplog):
 def test_guard_saves_the_untouched_state_when_no_checkpoint_exists(tmp_path):
     ck = make_checkpointer(tmp_path, Params())
     state = LoopState(max_iter=100)
-    with pytest.raises(NonFiniteLossError, match="newest finite checkpoint: .*last.pth \\(iteration 2\\)"):
+    with pytest.raises(NonFiniteLossError, match="weights before the failing steps are saved in .*last.pth \\(iteration 2\\)"):
         run_steps([NonFiniteGuard(2, ck)], state, [result(float("inf"), 1.0)] * 2)
     assert ck.saved == {"last.pth": 2}
 
