@@ -136,9 +136,10 @@ def test_tool_exports_then_rejects_a_tampered_file(model, tmp_path, capsys):
     torch.save(model.state_dict(), weights)
     argv = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(weights), "--format",
             "torchscript", "--output", str(out), "--image-size", "64", "96", *OVERRIDES]
-    assert TOOL.main(argv) == 0
+    assert TOOL.main([*argv, "--time", "2"]) == 0
     printed = capsys.readouterr().out
     assert "parity ok" in printed and "image 96x64" in printed
+    assert "eager: median" in printed and "torchscript: median" in printed and "load average" in printed
 
     scripted = torch.jit.load(str(out))
     with torch.no_grad():

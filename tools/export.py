@@ -16,6 +16,7 @@ images of different sizes (a generated shapes scene at --image-size, default
 input.min_size_test x input.max_size_test, and the transposed size; or
 --image and its top-left 3/4 crop) and compared with the eager model: boxes within
 1e-3 px, scores within 1e-4, the same labels. A mismatch exits with status 1.
+--time N then times the eager model and the file on the first test image.
 --verify-only checks an existing file without exporting. ONNX needs the optional
 extra: pip install -e ".[export]". See docs/deploy.md.
 """
@@ -23,9 +24,14 @@ extra: pip install -e ".[export]". See docs/deploy.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
+
+# Sleeping, not spinning, OpenMP threads (docs/training.md; matters for --time on a shared
+# CPU): set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -35,6 +41,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from detector.benchmark.export_speed import benchmark_exported  # noqa: E402
 from detector.config import ConfigError, load_config  # noqa: E402
 from detector.data.datasets import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
@@ -55,6 +62,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--image", help="an image file to test on instead of a generated scene")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     p.add_argument("--verify-only", action="store_true", help="check --output against the model, do not export")
+    p.add_argument("--time", type=int, default=0, metavar="N",
+                   help="then time N runs of the eager model and of the file on the first test image (CPU)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     return p.parse_args(argv)
 
@@ -80,6 +89,17 @@ def test_images(size: Tuple[int, int], image_path: Optional[str]) -> List[torch.
     return images
 
 
+def format_timing(result: dict) -> str:
+    """One line per run (median and CPU time per image) and the speed ratio."""
+    h, w = result["image_size"]
+    lines = [f"{name}: median {r['median_s'] * 1e3:.1f} ms/image ({r['iters']} runs, CPU {r['cpu_median_s'] * 1e3:.1f} ms)"
+             for name, r in result["runs"].items()]
+    load = result["machine"].get("loadavg")
+    lines.append(f"eager / exported time: {result['ratio']:.2f} on one {h}x{w} image, "
+                 f"{result['machine']['torch_threads']} threads, load average {load}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     try:
@@ -101,6 +121,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if bad:
             raise ExportError(f"{output} does not match the eager model: {bad[0].line()}")
         print(f"parity ok: {args.format} file matches the eager model on {len(reports)} images")
+        if args.time:
+            print(format_timing(benchmark_exported(model, args.format, output, images[0], args.time)))
         return 0
     except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError, ImportError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

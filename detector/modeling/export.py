@@ -137,10 +137,10 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
         raise ExportError(f"the ONNX file {path} is not valid: {_first_line(exc)}") from None
 
 
-def load_exported(fmt: str, path: str | os.PathLike) -> Callable[[Tensor], Detections]:
+def load_exported(fmt: str, path: str | os.PathLike, threads: int = 0) -> Callable[[Tensor], Detections]:
     """A function ``image [3, H, W] uint8 (CPU) -> (boxes, scores, labels)`` running the
     exported file: TorchScript through ``torch.jit.load``, ONNX through onnxruntime's CPU
-    provider."""
+    provider (``threads`` intra-op threads; 0 = onnxruntime's default)."""
     if not os.path.isfile(path):
         raise ExportError(f"exported file not found: {path}")
     if fmt == "torchscript":
@@ -161,7 +161,9 @@ def load_exported(fmt: str, path: str | os.PathLike) -> Callable[[Tensor], Detec
     import onnxruntime  # optional dependency, checked above
 
     try:
-        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's own exception types (InvalidGraph, Fail, ...)
         raise ExportError(f"cannot load ONNX file {path}: {_first_line(exc)}") from None
 
