@@ -1,0 +1,220 @@
+"""Exact resume, elastic restart, a lost rank and two nodes, end to end through
+``tools/train.py`` command lines (CPU, gloo, deterministic, random flips and sizes).
+
+- SIGTERM, then ``--resume``, ends bit-identical to a straight run: one process with
+  ``data.num_workers`` 0 or 2, and ``torchrun --nproc_per_node=2``;
+- ``torchrun --max-restarts=2 ... --resume``: rank 0 killed with SIGKILL mid-run is
+  restarted, resumes from the newest checkpoint, and ends with the straight run's weights;
+- without restarts, the surviving rank exits with one line naming the lost rank;
+- two ``torchrun`` agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1) train to the end.
+
+The signal is sent once ``metrics.jsonl`` shows iteration ``K``: where the run really
+stops then depends on timing, and the final weights must not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "tools" / "train.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+MAX_ITER = 6
+K = 3  # signal once metrics.jsonl shows this iteration
+TIMEOUT = 300
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+
+def tiny_overrides(data_root: Path) -> List[str]:
+    """The tiny model at 56-72 px on 8 generated images, random flips and sizes."""
+    return [
+        f"data.train.root={data_root}", f"data.val.root={data_root}",
+        "data.shapes.num_train=8", "data.shapes.num_val=4", "data.shapes.min_side=64", "data.shapes.max_side=96",
+        "data.num_workers=0", "input.min_size_train=[56,64,72]", "input.max_size_train=96",
+        "input.min_size_test=64", "input.max_size_test=96", "input.hflip_prob=0.5",
+        "model.fpn_channels=32", "model.gn_groups=8", "roi_heads.representation_size=64",
+        "rpn.batch_size_per_image=64", "roi_heads.batch_size_per_image=32",
+        "rpn.pre_nms_topk_train=200", "rpn.post_nms_topk_train=100",
+        "solver.images_per_gpu=2", "solver.reference_batch_size=2", "solver.lr=0.01",
+        "solver.warmup_iters=2", "solver.steps=[4]", f"solver.max_iter={MAX_ITER}",
+        "train.device=cpu", "train.seed=5", "train.deterministic=true", "train.log_period=1",
+        "train.eval_period=-1", "train.checkpoint_period=2", "train.tensorboard=false",
+    ]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    from detector.data.shapes import ensure_shapes
+
+    root = tmp_path_factory.mktemp("shapes") / "data"
+    ensure_shapes(root, 8, 4, 0, 64, 96)  # once, before any process starts
+    return root
+
+
+def env() -> Dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), NO_ALBUMENTATIONS_UPDATE="1")
+
+
+def train_cmd(data_root: Path, out: Path, *extra: str, launcher: Optional[List[str]] = None) -> List[str]:
+    """``[launcher] tools/train.py --config tiny ... --output-dir out`` (``--resume`` goes last)."""
+    head = launcher if launcher is not None else [sys.executable]
+    return [*head, TRAIN, "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--output-dir", str(out),
+            *tiny_overrides(data_root), *extra]
+
+
+def torchrun(*args: str) -> List[str]:
+    return [*TORCHRUN, "--nproc_per_node=2", "--monitor-interval=0.2", *args]
+
+
+def run(cmd: List[str], **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=TIMEOUT, **kw)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def start(cmd: List[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_iteration(metrics: Path, k: int, proc: subprocess.Popen) -> None:
+    """Return once ``metrics.jsonl`` has a record of iteration ``k``."""
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(line).get("iteration") == k
+                                    for line in metrics.read_text().splitlines() if line.strip()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"iteration {k} never reached (exit status {proc.poll()})")
+
+
+def worker_pid(agent: int, rank: int) -> int:
+    """PID of the process with ``RANK=rank`` among the descendants of ``agent``."""
+    todo = [agent]
+    while todo:
+        pid = todo.pop()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        if pid != agent:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return pid
+    raise AssertionError(f"no process with RANK={rank} under {agent}")
+
+
+def model_of(out: Path) -> Dict[str, torch.Tensor]:
+    state = torch.load(out / "checkpoints" / "last.pth", map_location="cpu", weights_only=True)
+    assert state["iteration"] == MAX_ITER
+    return state["model"]
+
+
+def assert_same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and len(a) > 50
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def straight(data_root, tmp_path_factory) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Final weights of straight runs, by world size (run on first use)."""
+    cache: Dict[str, Dict[str, torch.Tensor]] = {}
+
+    def get(world: int) -> Dict[str, torch.Tensor]:
+        if world not in cache:
+            out = tmp_path_factory.mktemp(f"straight{world}")
+            run(train_cmd(data_root, out, launcher=torchrun("--standalone") if world == 2 else None))
+            cache[world] = model_of(out)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigterm_then_resume_is_exact(data_root, straight, tmp_path, workers):
+    out = tmp_path / "run"
+    cmd = train_cmd(data_root, out, f"data.num_workers={workers}", "data.persistent_workers=true")
+    proc = start(cmd, tmp_path / "log.txt")
+    wait_for_iteration(out / "metrics.jsonl", K, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(TIMEOUT) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    stopped = torch.load(out / "checkpoints" / "last.pth", weights_only=True)["iteration"]
+    assert K <= stopped < MAX_ITER
+    run(cmd + ["--resume"])
+    assert_same_weights(model_of(out), straight(1))
+
+
+def test_torchrun_sigterm_then_resume_is_exact(data_root, straight, tmp_path):
+    out = tmp_path / "run"
+    cmd = train_cmd(data_root, out, launcher=torchrun("--standalone"))
+    agent = start(cmd, tmp_path / "log.txt")
+    wait_for_iteration(out / "metrics.jsonl", K, agent)
+    agent.send_signal(signal.SIGTERM)  # the agent forwards it to both ranks
+    agent.wait(TIMEOUT)
+    stopped = torch.load(out / "checkpoints" / "last.pth", weights_only=True)["iteration"]
+    assert K <= stopped < MAX_ITER, (tmp_path / "log.txt").read_text()[-3000:]
+    run(cmd + ["--resume"])
+    assert_same_weights(model_of(out), straight(2))
+
+
+def test_elastic_restart_after_sigkill_ends_like_a_straight_run(data_root, straight, tmp_path):
+    out = tmp_path / "run"
+    log = tmp_path / "log.txt"
+    cmd = train_cmd(data_root, out, "--resume", launcher=torchrun("--standalone", "--max-restarts=2"))
+    agent = start(cmd, log)
+    wait_for_iteration(out / "metrics.jsonl", K + 1, agent)
+    os.kill(worker_pid(agent.pid, rank=0), signal.SIGKILL)
+    assert agent.wait(TIMEOUT) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "will restart worker group" in text  # the agent did restart the workers
+    assert "resumed from" in text
+    assert_same_weights(model_of(out), straight(2))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if r.get("type") == "train"] == list(range(1, MAX_ITER + 1))
+
+
+def test_lost_rank_is_one_line(data_root, tmp_path):
+    out = tmp_path / "run"
+    logs = tmp_path / "logs"
+    cmd = train_cmd(data_root, out, "solver.max_iter=1000",
+                    launcher=torchrun("--standalone", "--log-dir", str(logs), "--redirects=3"))
+    agent = start(cmd, tmp_path / "log.txt")
+    wait_for_iteration(out / "metrics.jsonl", K, agent)
+    os.kill(worker_pid(agent.pid, rank=1), signal.SIGKILL)
+    assert agent.wait(TIMEOUT) != 0
+    (rank0,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
+    text = rank0.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rank 1" in errors[0], text[-3000:]
+
+
+def test_two_nodes_train_to_the_end(data_root, straight, tmp_path):
+    out = tmp_path / "run"
+    port = free_port()
+    agents = [
+        start(train_cmd(data_root, out, launcher=[
+            *TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes-test"]), tmp_path / f"node{node}.txt")
+        for node in (0, 1)
+    ]
+    for node, agent in enumerate(agents):
+        assert agent.wait(TIMEOUT) == 0, (tmp_path / f"node{node}.txt").read_text()[-3000:]
+    assert_same_weights(model_of(out), straight(2))
