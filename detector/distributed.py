@@ -9,16 +9,23 @@ Launch modes understood by ``init_distributed``:
 
 The backend is NCCL when the device is CUDA and gloo otherwise. Every helper works
 (as the identity, or a no-op) when no process group is initialised.
+
+Faults: ``lost_rank_message`` turns the error a collective raises when a peer process
+died into one line naming the lost rank. Under ``torchrun --max-restarts`` on one node,
+the process group's store keys are kept apart per restart (``_restart_store``), so
+restarted workers never read a dead worker's address.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -31,6 +38,7 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    peers: Tuple[Tuple[str, int], ...] = ()  # (host name, process id) of each rank, when distributed
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -87,15 +95,89 @@ def init_distributed(device_name: str = "auto", timeout_minutes: int = 30) -> Di
         kwargs: Dict[str, Any] = {}
         if device.type == "cuda":
             kwargs["device_id"] = device
-        dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(minutes=timeout_minutes),
-            **kwargs,
-        )
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+        timeout = timedelta(minutes=timeout_minutes)
+        store = _restart_store(timeout)
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = "env://"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    peers: Tuple[Tuple[str, int], ...] = ()
+    if world_size > 1:
+        peers = tuple(tuple(p) for p in all_gather_object((socket.gethostname(), os.getpid())))
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, peers=peers)
+
+
+def _restart_store(timeout: timedelta) -> Optional[dist.Store]:
+    """The process group's store under ``torchrun --max-restarts`` on one node, or None.
+
+    torchrun's agent keeps one store for all restarts, and the keys a process group
+    leaves in it (each rank's address) outlive the workers, so a restarted worker can
+    read a dead worker's address and fail to connect (pytorch/pytorch#135712). Here the
+    keys of each restart go under their own prefix. The restart count is the same on
+    every worker when one agent runs them all; with several nodes it may differ, so
+    multi-node elastic runs set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the agents
+    instead (then each restart gets a fresh store and this returns None).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"detector/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+# What a collective raises when a peer process went away (gloo; NCCL with async error handling).
+_LOST_PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                    "remote process exited", "ncclremoteerror")
+
+
+def _process_ended(pid: int) -> bool:
+    """True when process ``pid`` (on this host) no longer runs: gone, or a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def lost_rank_message(exc: BaseException, info: Optional[DistInfo], wait_s: float = 3.0) -> Optional[str]:
+    """One line for ``exc`` when it is a collective failing because another rank's process
+    ended (killed, crashed, or stopped by its own error); None for any other error.
+
+    The lost rank is found among the ranks on this host (a process that ended, waiting up
+    to ``wait_s`` seconds for it to finish exiting); when none did and exactly one other
+    rank runs on another host, that rank is named.
+    """
+    if info is None or info.world_size < 2 or len(info.peers) != info.world_size:
+        return None
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not any(s in text.lower() for s in _LOST_PEER_SIGNS):
+        return None
+    host = socket.gethostname()
+    local = [r for r, (h, _) in enumerate(info.peers) if h == host and r != info.rank]
+    remote = [r for r, (h, _) in enumerate(info.peers) if h != host]
+    deadline = time.monotonic() + wait_s
+    while True:
+        ended = [r for r in local if _process_ended(info.peers[r][1])]
+        if ended or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    advice = ("resume with --resume, or launch with torchrun --max-restarts=N ... --resume to restart "
+              "automatically")
+    if ended:
+        who = ", ".join(f"rank {r} (pid {info.peers[r][1]} on {host})" for r in ended)
+        return f"lost {who} of {info.world_size}: its process ended, so rank {info.rank} stops too; {advice}"
+    if len(remote) == 1:
+        r = remote[0]
+        return (f"lost contact with rank {r} of {info.world_size} on {info.peers[r][0]}, so rank {info.rank} "
+                f"stops too; {advice}")
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"lost contact with another rank ({first}), so rank {info.rank} stops too; {advice}"
 
 
 def is_dist() -> bool:

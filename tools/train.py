@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.weights is not None:
         overrides.append(f"model.weights={args.weights}")
     rank = 0
+    info = None
     try:
         cfg = load_config(args.config, overrides)
         info = distributed.init_distributed(cfg.train.device)
@@ -79,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     except EXPECTED_ERRORS as exc:
         logger.debug("stopped with an error", exc_info=True)  # the traceback goes to log.txt only
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        message = distributed.lost_rank_message(exc, info)  # a peer process died: one line naming it
+        if message is None:
+            raise
+        logger.debug("stopped with an error", exc_info=True)
+        print(f"error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second SIGINT/SIGTERM: stop at once, without a checkpoint
         print("error: interrupted by a second signal; resume from the last checkpoint written", file=sys.stderr)
