@@ -93,3 +93,27 @@ def test_tool_writes_json(tmp_path, capsys):
     assert tool.main(["--config", str(TINY), "--image-size", "0", "96"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: image size must be positive") and len(err.strip().splitlines()) == 1
+
+
+def test_training_writes_summary_next_to_config(tmp_path, caplog):
+    """The trainer logs the summary once at set-up (rank 0) and writes summary.json next
+    to config.yaml, with the numbers of the model it trains at the config's test size."""
+    from detector.engine.trainer import Trainer
+    from tests.test_trainer import make_cfg
+
+    out = tmp_path / "run"
+    cfg = make_cfg(tmp_path / "data", out, "solver.max_iter=1")
+    with caplog.at_level("INFO", logger="detector.engine.trainer"):
+        trainer = Trainer(cfg)
+    try:
+        model = trainer.model_without_ddp
+        data = json.loads((out / "summary.json").read_text())
+        assert (out / "config.yaml").is_file()
+        assert data["params_total"] == sum(p.numel() for p in model.parameters())
+        assert data["params_frozen"] == sum(p.numel() for p in model.parameters() if not p.requires_grad) > 0
+        assert data["image_size"] == [cfg.input.min_size_test, cfg.input.max_size_test] and data["gflops"] > 0
+        logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model summary")]
+        assert len(logged) == 1 and "backbone.body" in logged[0]
+        trainer.train()
+    finally:
+        trainer.close()

@@ -53,7 +53,8 @@ from detector.engine.run_folder import RunFolder
 from detector.engine.setup import apply_norm_policy, configure_torch, prepare_model  # noqa: F401 (apply_norm_policy: public here too)
 from detector.engine.step import AmpSettings, StepResult, TrainStep, amp_settings
 from detector.evaluation import evaluate as default_evaluate
-from detector.modeling import build_model
+from detector.modeling import FasterRCNN, build_model
+from detector.modeling.summary import default_image_size, format_summary, write_summary
 from detector.modeling.weights import load_initial_weights
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,8 @@ class Trainer:
             model = build_model(cfg)
             if cfg.model.weights:
                 load_initial_weights(model, cfg.model.weights)
+        if self.is_main and isinstance(model, FasterRCNN):
+            self._write_summary(model)
         self.model, self.model_without_ddp = prepare_model(model, cfg, self.device, self.world_size)
         self.optimizer = build_optimizer(self.model, cfg, self.world_size)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -170,6 +173,19 @@ class Trainer:
             PeriodicCheckpointer(self.checkpointer, cfg.train.checkpoint_period),
             self.eval_hook,  # after the checkpointer: the final checkpoint comes before the final evaluation
         ]
+
+    def _write_summary(self, model: FasterRCNN) -> None:
+        """Rank 0: parameters per module, FLOPs of one test-size image and the weights
+        size, logged once and written to ``summary.json`` next to ``config.yaml``. Runs
+        before the model is moved, compiled or wrapped (the counts do not depend on it);
+        the global RNG is not used. A failure is a warning: training goes on."""
+        path = self.output_dir / "summary.json"
+        try:
+            summary = write_summary(model, default_image_size(self.cfg), path)
+        except (RuntimeError, ValueError, OSError) as exc:
+            logger.warning("model summary skipped: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
+            return
+        logger.info("model summary (%s):\n%s", path, format_summary(summary))
 
     # ------------------------------------------------------------------ state
 

@@ -21,6 +21,8 @@ optimizer state).
 from __future__ import annotations
 
 import io
+import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
 
@@ -168,3 +170,11 @@ def format_summary(summary: ModelSummary) -> str:
                 f"2 per multiply-add); weights file {summary.checkpoint_bytes / 2**20:.1f} MiB"
                 + (f"; {frozen_norm} FrozenBatchNorm2d affine values (buffers)" if frozen_norm else ""))
     return "\n".join(rows)
+
+
+def write_summary(model: FasterRCNN, image_size: Tuple[int, int], path: str | os.PathLike) -> ModelSummary:
+    """``model_summary`` written to ``path`` as JSON (``summary.json`` of a run folder)."""
+    summary = model_summary(model, image_size)
+    with open(path, "w") as f:
+        f.write(json.dumps(summary.to_dict(), indent=2) + "\n")
+    return summary
