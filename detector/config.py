@@ -14,13 +14,16 @@ deepest base first), the file itself, then the overrides in the order given.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
+import torch
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -44,8 +47,10 @@ class AnchorConfig:
 @dataclass
 class ModelConfig:
     # Number of object classes K, background excluded; the predictor has K + 1 outputs.
-    # torchvision's COCO model: 90 (91 outputs).
-    num_classes: int = 3
+    # "auto" (stored as None) takes K from the training data: the COCO categories (or
+    # data.class_names), VOC's 20 (or data.class_names), the shapes' 3. The run's
+    # config.yaml records the resolved number. torchvision's COCO model: 90 (91 outputs).
+    num_classes: Optional[int] = None
     backbone: str = "resnet50"  # resnet18 | resnet34 | resnet50 | resnet101
     # frozen_bn | bn | syncbn | gn
     norm: str = "frozen_bn"
@@ -138,7 +143,9 @@ class DataConfig:
     format: str = "shapes"  # coco | voc | shapes
     train: SplitConfig = field(default_factory=SplitConfig)
     val: SplitConfig = field(default_factory=SplitConfig)
-    # VOC class names, in label order 1..K. COCO and shapes read them from the JSON.
+    # The classes to train on, in label order 1..K: VOC class names (default VOC's 20) or
+    # COCO category names (default every category of the JSON). A subset trains on
+    # those classes only; boxes of the other classes are dropped (counted in the log).
     class_names: List[str] = field(default_factory=list)
     filter_empty: bool = True
     use_difficult: bool = False
@@ -197,8 +204,11 @@ class SolverConfig:
 
 @dataclass
 class AMPConfig:
-    enabled: bool = False
-    dtype: str = "float16"  # float16 | bfloat16
+    # auto (stored as None) | true | false. auto: on for CUDA, off for the CPU.
+    enabled: Optional[bool] = None
+    # auto | float16 | bfloat16. auto: bfloat16 where the device supports it, else
+    # float16 (with a GradScaler). float16 autocast on a CPU device is refused.
+    dtype: str = "auto"
 
 
 @dataclass
@@ -324,6 +334,22 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> List[tuple[dict, str]
     return chain
 
 
+# Keys that take ``auto``, stored as None in the typed config (and written back as auto).
+_AUTO_KEYS = ("model.num_classes", "train.amp.enabled")
+
+
+def _auto_to_none(data: dict) -> dict:
+    """``data`` with ``auto`` replaced by None at the keys of ``_AUTO_KEYS`` (in place)."""
+    for key in _AUTO_KEYS:
+        *sections, leaf = key.split(".")
+        node: Any = data
+        for part in sections:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(leaf), str) and node[leaf].strip().lower() == "auto":
+            node[leaf] = None
+    return data
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not of the form key=value")
@@ -358,7 +384,7 @@ _CHOICES = {
     "data.format": ("coco", "voc", "shapes"),
     "solver.optimizer": ("sgd", "adamw"),
     "solver.schedule": ("multistep", "cosine"),
-    "train.amp.dtype": ("float16", "bfloat16"),
+    "train.amp.dtype": ("auto", "float16", "bfloat16"),
     "eval.backend": ("pycocotools", "faster"),
 }
 
@@ -369,14 +395,94 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+# Range of each number, checked at load time: (key, test, what the test means). Every
+# float anywhere in the config must also be finite (checked generically, before these).
+_RANGES: Tuple[Tuple[str, Callable[[Any], bool], str], ...] = (
+    ("model.gn_groups", lambda v: v >= 1, ">= 1"),
+    ("model.fpn_channels", lambda v: v >= 1, ">= 1"),
+    ("model.size_divisibility", lambda v: v >= 1, ">= 1"),
+    ("rpn.conv_depth", lambda v: v >= 1, ">= 1"),
+    ("rpn.pre_nms_topk_train", lambda v: v >= 1, ">= 1"),
+    ("rpn.pre_nms_topk_test", lambda v: v >= 1, ">= 1"),
+    ("rpn.post_nms_topk_train", lambda v: v >= 1, ">= 1"),
+    ("rpn.post_nms_topk_test", lambda v: v >= 1, ">= 1"),
+    ("rpn.nms_thresh", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rpn.min_size", lambda v: v >= 0, ">= 0"),
+    ("rpn.fg_iou_thresh", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rpn.bg_iou_thresh", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("rpn.batch_size_per_image", lambda v: v >= 1, ">= 1"),
+    ("rpn.sigma", lambda v: v > 0, "> 0"),
+    ("roi_heads.fg_iou_thresh", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("roi_heads.bg_iou_lo", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("roi_heads.bg_iou_hi", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("roi_heads.batch_size_per_image", lambda v: v >= 1, ">= 1"),
+    ("roi_heads.pooler_resolution", lambda v: v >= 1, ">= 1"),
+    ("roi_heads.representation_size", lambda v: v >= 1, ">= 1"),
+    ("roi_heads.sigma", lambda v: v > 0, "> 0"),
+    ("roi_heads.score_thresh", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("roi_heads.nms_thresh", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("roi_heads.detections_per_img", lambda v: v >= 1, ">= 1"),
+    ("roi_heads.min_box_size", lambda v: v >= 0, ">= 0"),
+    ("data.num_workers", lambda v: v >= 0, ">= 0 (0 loads in the main process)"),
+    ("data.repeat_factor_threshold", lambda v: v >= 0, ">= 0 (0 disables it)"),
+    ("input.max_size_train", lambda v: v >= 1, ">= 1"),
+    ("input.min_size_test", lambda v: v >= 1, ">= 1"),
+    ("input.max_size_test", lambda v: v >= 1, ">= 1"),
+    ("input.hflip_prob", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("solver.lr", lambda v: v > 0, "> 0"),
+    ("solver.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("solver.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("solver.weight_decay_norm", lambda v: v >= 0, ">= 0"),
+    ("solver.bias_lr_mult", lambda v: v >= 0, ">= 0"),
+    ("solver.weight_decay_bias", lambda v: v is None or v >= 0, ">= 0 (or null: same as solver.weight_decay)"),
+    ("solver.images_per_gpu", lambda v: v >= 1, ">= 1"),
+    ("solver.reference_batch_size", lambda v: v >= 1, ">= 1"),
+    ("solver.max_iter", lambda v: v >= 1, ">= 1"),
+    ("solver.gamma", lambda v: v > 0, "> 0"),
+    ("solver.warmup_iters", lambda v: v >= 0, ">= 0"),
+    ("solver.warmup_factor", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("solver.cosine_final_lr_factor", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("solver.clip_grad_norm", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("train.log_period", lambda v: v >= 1, ">= 1"),
+    ("train.checkpoint_period", lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    ("train.keep_last", lambda v: v >= 0, ">= 0"),
+    ("train.max_nonfinite_steps", lambda v: v >= 1, ">= 1"),
+    ("train.vis_images", lambda v: v >= 0, ">= 0"),
+    ("eval.images_per_gpu", lambda v: v >= 1, ">= 1"),
+    ("eval.voc_iou_thresh", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("eval.score_thresh", lambda v: 0 <= v <= 1, "in [0, 1]"),
+)
+
+
+def _check_finite(value: Any, key: str) -> None:
+    """Raise ConfigError for the first NaN or infinite float in ``value`` (a config
+    section, a list or a number); ``key`` is its dotted name."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _check_finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key '{key}' is {value}; it must be a finite number")
+
+
 def validate_config(cfg: Config) -> None:
-    """Check values the type system cannot: choices, ranges, consistent lengths."""
+    """Check values the type system cannot: every float finite, choices, ranges,
+    consistent lengths. The first problem raises a one-line ``ConfigError`` naming the key."""
+    _check_finite(cfg, "")
     for key, choices in _CHOICES.items():
         value = _get(cfg, key)
         if value not in choices:
             raise ConfigError(f"config key '{key}' is {value!r}; expected one of {', '.join(choices)}")
-    if cfg.model.num_classes < 1:
-        raise ConfigError(f"config key 'model.num_classes' must be >= 1 (classes without background), got {cfg.model.num_classes}")
+    for key, ok, what in _RANGES:
+        value = _get(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"config key '{key}' must be {what}, got {value}")
+    if cfg.model.num_classes is not None and cfg.model.num_classes < 1:
+        raise ConfigError(
+            f"config key 'model.num_classes' must be >= 1 (classes without background) or auto, got {cfg.model.num_classes}"
+        )
     if not 0 <= cfg.model.freeze_at <= 5:
         raise ConfigError(f"config key 'model.freeze_at' must be in 0..5, got {cfg.model.freeze_at}")
     if len(cfg.model.pixel_mean) != 3 or len(cfg.model.pixel_std) != 3:
@@ -398,18 +504,98 @@ def validate_config(cfg: Config) -> None:
             f"config key 'model.anchors.sizes' has {len(cfg.model.anchors.sizes)} levels but the FPN gives "
             f"{n_levels} (model.return_stages + 1 pooled level)"
         )
+    for key in ("model.anchors.sizes", "model.anchors.aspect_ratios"):
+        values = _get(cfg, key)
+        flat = [v for level in values for v in level] if key.endswith("sizes") else list(values)
+        if not flat or any(v <= 0 for v in flat):
+            raise ConfigError(f"config key '{key}' needs positive values, got {values}")
     for key in ("rpn.positive_fraction", "roi_heads.positive_fraction"):
         if not 0.0 < _get(cfg, key) <= 1.0:
             raise ConfigError(f"config key '{key}' must be in (0, 1], got {_get(cfg, key)}")
     p = cfg.rpn.positive_weight
     if not (p == -1.0 or 0.0 < p < 1.0):
         raise ConfigError(f"config key 'rpn.positive_weight' must be -1 (uniform) or in (0, 1), got {p}")
-    if cfg.solver.lr <= 0:
-        raise ConfigError(f"config key 'solver.lr' must be positive, got {cfg.solver.lr}")
-    if cfg.solver.images_per_gpu < 1:
-        raise ConfigError(f"config key 'solver.images_per_gpu' must be >= 1, got {cfg.solver.images_per_gpu}")
-    if not cfg.input.min_size_train:
-        raise ConfigError("config key 'input.min_size_train' needs at least one size")
+    if cfg.data.num_workers > 0 and cfg.data.prefetch_factor < 1:
+        raise ConfigError(
+            f"config key 'data.prefetch_factor' must be >= 1 with data.num_workers={cfg.data.num_workers}, "
+            f"got {cfg.data.prefetch_factor}"
+        )
+    if not cfg.input.min_size_train or any(s < 1 for s in cfg.input.min_size_train):
+        raise ConfigError(f"config key 'input.min_size_train' needs at least one size >= 1, got {cfg.input.min_size_train}")
+    if any(s < 1 for s in cfg.solver.steps):
+        raise ConfigError(f"config key 'solver.steps' takes iterations >= 1, got {cfg.solver.steps}")
+    if len(cfg.solver.betas) != 2 or not all(0 <= b < 1 for b in cfg.solver.betas):
+        raise ConfigError(f"config key 'solver.betas' needs two values in [0, 1), got {cfg.solver.betas}")
+    for i, rule in enumerate(cfg.solver.param_groups):
+        if rule.lr_mult < 0 or rule.weight_decay_mult < 0:
+            raise ConfigError(f"config key 'solver.param_groups[{i}]' needs lr_mult and weight_decay_mult >= 0")
+    if len(set(cfg.data.class_names)) != len(cfg.data.class_names):
+        dup = next(n for n in cfg.data.class_names if cfg.data.class_names.count(n) > 1)
+        raise ConfigError(f"config key 'data.class_names' names {dup!r} twice")
+
+
+def check_output_dir(path: str | os.PathLike, key: str = "train.output_dir") -> None:
+    """Check that ``path`` can be the run folder: it, and the nearest of its parents that
+    exists, must be folders we may write into. Nothing is created.
+
+    Raises:
+        ConfigError: one line naming ``key`` and the path that is in the way.
+    """
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.is_symlink():
+            raise ConfigError(f"config key '{key}': {probe} is a broken symbolic link")
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        what = "is a file" if probe == path else f"cannot be created: {probe} is a file"
+        raise ConfigError(f"config key '{key}': {path} {what}, not a folder")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"config key '{key}': {probe} is not writable")
+
+
+@dataclass(frozen=True)
+class AmpSettings:
+    """What ``train.amp`` means on one device: autocast ``enabled`` with ``dtype``;
+    ``use_scaler`` (a GradScaler) for float16 on CUDA."""
+
+    enabled: bool
+    dtype: torch.dtype
+    use_scaler: bool
+
+
+def amp_dtype(amp: AMPConfig, device: torch.device | str) -> torch.dtype:
+    """The autocast dtype of ``train.amp.dtype`` on ``device``: ``auto`` is bfloat16
+    where the device supports it (``torch.cuda.is_bf16_supported()``; always on the CPU),
+    else float16."""
+    device = torch.device(device)
+    if amp.dtype == "auto":
+        bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu"
+        return torch.bfloat16 if bf16 else torch.float16
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}[amp.dtype]
+
+
+def resolve_amp(amp: AMPConfig, device: torch.device | str) -> AmpSettings:
+    """Resolve ``train.amp`` for training on ``device``: ``enabled: auto`` is on for
+    CUDA and off for anything else; the dtype as in ``amp_dtype``.
+
+    Raises:
+        ConfigError: float16 autocast asked for on a CPU device (many times slower than
+            float32 there, and without loss scaling); one line, before the model is built.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    enabled = cuda if amp.enabled is None else bool(amp.enabled)
+    dtype = amp_dtype(amp, device)
+    if enabled and dtype == torch.float16 and device.type == "cpu":
+        raise ConfigError(
+            "config key 'train.amp.enabled' is true with train.amp.dtype=float16 on a CPU device: float16 autocast "
+            "is many times slower than float32 on the CPU and trains without loss scaling; use "
+            "train.amp.enabled=auto (off on the CPU) or train.amp.dtype=bfloat16"
+        )
+    return AmpSettings(enabled=enabled, dtype=dtype, use_scaler=enabled and cuda and dtype == torch.float16)
 
 
 # --------------------------------------------------------------------------- public
@@ -437,12 +623,12 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Li
     if path is not None:
         for data, source in _read_yaml(Path(path)):
             _check_keys(data, schema, "", source)
-            cfg = _merge(cfg, data, source)
+            cfg = _merge(cfg, _auto_to_none(data), source)
     for item in overrides or []:
         key, value = _parse_override(item)
         nested = _nest(key, value)
         _check_keys(nested, schema, "", "override")
-        cfg = _merge(cfg, nested, f"override '{item}'")
+        cfg = _merge(cfg, _auto_to_none(nested), f"override '{item}'")
     try:
         out: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:  # e.g. a missing mandatory value
@@ -459,12 +645,21 @@ def config_to_dict(cfg: Config) -> dict:
 def config_from_dict(data: dict) -> Config:
     """Rebuild a Config from ``config_to_dict`` output, checking keys and types."""
     _check_keys(data, Config(), "", "stored config")
-    cfg = _merge(OmegaConf.structured(Config), data, "stored config")
+    cfg = _merge(OmegaConf.structured(Config), _auto_to_none(copy.deepcopy(data)), "stored config")
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
 def config_to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML; the keys that take ``auto`` read ``auto`` where unresolved."""
+    data = config_to_dict(cfg)
+    for key in _AUTO_KEYS:
+        *sections, leaf = key.split(".")
+        node = data
+        for part in sections:
+            node = node[part]
+        if node[leaf] is None:
+            node[leaf] = "auto"
+    return OmegaConf.to_yaml(OmegaConf.create(data))
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:

@@ -95,7 +95,7 @@ def score_file(args: argparse.Namespace) -> int:
 
 def run_model(args: argparse.Namespace) -> int:
     """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
-    from detector.data import build_dataset
+    from detector.data import build_dataset, resolve_num_classes
     from detector.modeling.weights import load_weights
     from detector.distributed import cleanup, init_distributed
     from detector.engine.log import setup_logging
@@ -106,10 +106,12 @@ def run_model(args: argparse.Namespace) -> int:
     info = init_distributed(cfg.train.device)
     try:
         setup_logging(args.output_dir, rank=info.rank)
+        dataset = build_dataset(cfg, "val", is_train=False)
+        if cfg.model.num_classes is None:  # auto: the run's config.yaml holds the number; else the data's
+            cfg = resolve_num_classes(cfg, dataset, split="val")
         model = build_model(cfg)
         load_weights(model, args.weights, strict=True)
         model.to(info.device)
-        dataset = build_dataset(cfg, "val", is_train=False)
         evaluate(model, dataset, cfg, output_dir=args.output_dir)
         if info.rank == 0 and args.output_dir:
             print(f"results written to {args.output_dir}")

@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Allow `python tools/train.py` from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from detector.config import ConfigError, load_config  # noqa: E402
+from detector.config import ConfigError, check_output_dir, load_config  # noqa: E402
 from detector import distributed  # noqa: E402
 from detector.engine.checkpoint import CheckpointError  # noqa: E402
 from detector.engine.checkpointer import CheckpointWriteError  # noqa: E402
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     info = None
     try:
         cfg = load_config(args.config, overrides)
+        check_output_dir(cfg.train.output_dir)
         info = distributed.init_distributed(cfg.train.device)
         rank = info.rank
         setup_logging(None, rank)  # console only until the run folder is ours

@@ -3,16 +3,19 @@ and loaders. See docs/data.md for formats, coordinates and the bad-input policy.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from pathlib import Path
+from typing import Optional, Tuple
 
-from detector.config import Config
+from detector.config import Config, ConfigError
 
 # albumentations asks PyPI for a newer version at import unless this is set: offline that
 # is a warning and a wait on every start. Set before any submodule imports albumentations.
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
-from .datasets import CocoDetection, DataError, DetectionDataset, VOCDetection
+from .datasets import VOC_CLASSES, CocoDetection, DataError, DetectionDataset, VOCDetection, read_json
 from .loader import build_test_loader, build_train_loader, measure_loader_throughput
 from .transforms import build_transforms
 
@@ -25,10 +28,64 @@ __all__ = [
     "build_test_loader",
     "build_train_loader",
     "build_transforms",
+    "check_data_paths",
+    "data_num_classes",
     "measure_loader_throughput",
+    "resolve_num_classes",
 ]
 
 FORMATS = ("coco", "voc", "shapes")
+
+logger = logging.getLogger(__name__)
+
+
+def _need_folder(key: str, path: Path, what: str) -> None:
+    if not path.is_dir():
+        state = "is not a folder" if path.exists() else "not found"
+        raise DataError(f"{key}: {what} {path} {state}")
+
+
+def _need_file(key: str, path: Path, what: str) -> None:
+    if not path.is_file():
+        state = "is not a file" if path.exists() else "not found"
+        raise DataError(f"{key}: {what} {path} {state}")
+
+
+def check_data_paths(cfg: Config, split: str) -> None:
+    """Check, without reading them, that the folders and files of ``cfg.data.<split>``
+    exist: COCO's image folder and instances JSON; VOC's year folder with
+    ``ImageSets/Main/<split>.txt``, ``Annotations/`` and ``JPEGImages/``. (The shapes set
+    is generated when missing.)
+
+    Raises:
+        DataError: one line naming the config key and the path.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"check_data_paths: split must be 'train' or 'val', got {split!r}")
+    fmt = cfg.data.format
+    sc = getattr(cfg.data, split)
+    key = f"data.{split}"
+    if fmt not in FORMATS:
+        raise ConfigError(f"config key 'data.format' must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not sc.root:
+        raise DataError(f"{key}.root is empty: set it to the {fmt} data folder")
+    root = Path(sc.root)
+    if fmt == "coco":
+        if not sc.ann_file:
+            raise DataError(f"{key}.ann_file is empty: set it to the COCO instances JSON")
+        _need_folder(f"{key}.root", root, "image folder")
+        _need_file(f"{key}.ann_file", Path(sc.ann_file), "annotation file")
+    elif fmt == "voc":
+        years = sorted(p.name for p in root.glob("VOC20*") if (p / "Annotations").is_dir()) if root.is_dir() else []
+        if years and not (root / "Annotations").is_dir():
+            raise DataError(f"{key}.root: {root} is a VOCdevkit folder; set it to the year folder, "
+                            f"e.g. {root / years[-1]}")
+        _need_folder(f"{key}.root", root, "VOC year folder")
+        _need_file(f"{key}.split", root / "ImageSets" / "Main" / f"{sc.split or split}.txt", "VOC split file")
+        _need_folder(f"{key}.root", root / "Annotations", "VOC annotation folder")
+        _need_folder(f"{key}.root", root / "JPEGImages", "VOC image folder")
+    elif root.exists() and not root.is_dir():
+        raise DataError(f"{key}.root: {root} is not a folder")
 
 
 def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
@@ -37,31 +94,32 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
 
     - ``coco``: ``root`` = image folder, ``ann_file`` = instances JSON;
     - ``voc``: ``root`` = VOCdevkit year folder, ``split`` = ImageSets/Main name
-      (default: the split argument), class names from ``data.class_names`` (default VOC's 20);
+      (default: the split argument);
     - ``shapes``: ``root`` = folder written by ``detector.data.shapes`` (generated from
       ``data.shapes`` if missing), ``split`` = "train" / "val" (default: the split argument).
 
-    ``data.filter_empty`` drops images without training boxes, in training only.
+    ``data.class_names`` picks the classes (labels 1..K in its order): VOC class names
+    (default VOC's 20) or COCO / shapes category names (default all); the other classes'
+    boxes are dropped and counted in one log line. In training every listed class must
+    have an object. ``data.filter_empty`` drops images without training boxes, in training only.
+
+    Raises:
+        DataError / FileNotFoundError: a missing path (see ``check_data_paths``) or bad data.
     """
     if split not in ("train", "val"):
         raise ValueError(f"build_dataset: split must be 'train' or 'val', got {split!r}")
+    check_data_paths(cfg, split)
     data = cfg.data
     sc = getattr(data, split)
-    fmt = data.format
-    if fmt not in FORMATS:
-        raise ValueError(f"data.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if not sc.root:
-        raise ValueError(f"data.{split}.root is empty: set it to the {fmt} data folder")
     transforms = build_transforms(cfg, is_train, seed=cfg.train.seed)
     filter_empty = bool(data.filter_empty and is_train)
-    if fmt == "coco":
-        if not sc.ann_file:
-            raise ValueError(f"data.{split}.ann_file is empty: set it to the COCO instances JSON")
+    names = list(data.class_names) or None
+    if data.format == "coco":
         return CocoDetection(sc.root, sc.ann_file, transforms=transforms, filter_empty=filter_empty,
-                             use_difficult=data.use_difficult)
-    if fmt == "voc":
-        return VOCDetection(sc.root, sc.split or split, class_names=data.class_names or None,
-                            transforms=transforms, filter_empty=filter_empty, use_difficult=data.use_difficult)
+                             use_difficult=data.use_difficult, class_names=names)
+    if data.format == "voc":
+        return VOCDetection(sc.root, sc.split or split, class_names=names, transforms=transforms,
+                            filter_empty=filter_empty, use_difficult=data.use_difficult, require_every_class=is_train)
     from .shapes import ensure_shapes  # here, so `python -m detector.data.shapes` runs cleanly
 
     s = data.shapes
@@ -69,4 +127,49 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     name = sc.split or split
     ann_file = Path(sc.ann_file) if sc.ann_file else Path(root) / f"{name}.json"
     return CocoDetection(Path(root) / name, ann_file, transforms=transforms, filter_empty=filter_empty,
-                         use_difficult=data.use_difficult)
+                         use_difficult=data.use_difficult, class_names=names)
+
+
+def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Tuple[int, str]:
+    """The number of classes K of the data, and where it comes from (for messages):
+    ``len(data.class_names)``; else the data set's (when given); else VOC's 20, the
+    shapes' 3, or the number of categories in COCO's ``data.<split>.ann_file``."""
+    data = cfg.data
+    if data.class_names:
+        return len(data.class_names), "data.class_names"
+    if dataset is not None:
+        return dataset.num_classes, f"the classes of {dataset.source}"
+    if data.format == "voc":
+        return len(VOC_CLASSES), "VOC's 20 classes"
+    if data.format == "shapes":
+        from .shapes import CLASS_NAMES  # as in build_dataset
+
+        return len(CLASS_NAMES), "the shapes' classes"
+    check_data_paths(cfg, split)
+    ann_file = getattr(data, split).ann_file
+    content = read_json(ann_file)
+    categories = content.get("categories") if isinstance(content, dict) else None
+    if not isinstance(categories, list):
+        raise DataError(f"annotation file {ann_file}: missing or malformed top-level key 'categories'")
+    return len(categories), f"the categories of {ann_file}"
+
+
+def resolve_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Config:
+    """``cfg`` with ``model.num_classes`` resolved from the data (see ``data_num_classes``;
+    pass the ``dataset`` of ``split`` when it is built, so nothing is read twice).
+
+    ``auto`` becomes K; an explicit value must equal K.
+
+    Raises:
+        ConfigError: an explicit ``model.num_classes`` that differs from the data's K,
+            one line naming the key and both numbers.
+    """
+    k, source = data_num_classes(cfg, dataset, split)
+    n = cfg.model.num_classes
+    if n is None:
+        logger.info("model.num_classes=auto: %d classes (%s)", k, source)
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=k))
+    if n != k:
+        raise ConfigError(f"config key 'model.num_classes' is {n} but the data has {k} classes ({source}); "
+                          f"set model.num_classes=auto or {k}")
+    return cfg

@@ -27,6 +27,7 @@ Bad-input policy (see docs/data.md):
 from __future__ import annotations
 
 import contextlib
+import difflib
 import io
 import json
 import logging
@@ -101,6 +102,8 @@ class Issues:
     log_skips: bool = True
     past_edge: List[str] = field(default_factory=list)  # clipped by more than PAST_EDGE_TOLERANCE
     non_integer: List[str] = field(default_factory=list)  # VOC objects with fractional pixel coordinates (accepted)
+    # Boxes of classes left out of data.class_names (a class subset), by class name: dropped.
+    other_classes: Counter = field(default_factory=Counter)
 
     def error(self, message: str) -> None:
         if self.strict:
@@ -387,13 +390,43 @@ def path_within(root: str, name: str) -> Optional[str]:
     return os.path.join(root, rel)
 
 
+def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_file: str) -> List[Any]:
+    """The category ids of ``class_names`` (category names), in that order.
+
+    Raises:
+        DataError: a name that is no category of ``ann_file`` (with the nearest one), or
+            a name that two categories share.
+    """
+    ids_by_name: Dict[str, List[Any]] = {}
+    for c, name in names_by_id.items():
+        ids_by_name.setdefault(name, []).append(c)
+    out = []
+    for name in class_names:
+        ids = ids_by_name.get(name, [])
+        if not ids:
+            near = difflib.get_close_matches(name, list(ids_by_name), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise DataError(f"data.class_names: {name!r} is not a category name of {ann_file}{hint}")
+        if len(ids) > 1:
+            raise DataError(f"data.class_names: {name!r} names {len(ids)} categories of {ann_file} (ids {ids})")
+        out.append(ids[0])
+    return out
+
+
 def parse_coco(
-    ann_file: str | os.PathLike, image_dir: str | os.PathLike, issues: Issues
+    ann_file: str | os.PathLike,
+    image_dir: str | os.PathLike,
+    issues: Issues,
+    class_names: Optional[Sequence[str]] = None,
 ) -> Tuple[List[ImageRecord], List[str], Dict[int, int], Any]:
     """Parse a COCO instances JSON (through pycocotools' index) into image records.
 
     Returns ``(records, class_names, label_to_category_id, coco)``: categories sorted by
     id map to labels 1..K. ``[x, y, w, h]`` becomes ``[x, y, x + w, y + h]``.
+
+    ``class_names`` (category names, e.g. ``data.class_names``) keeps those categories
+    only, as labels 1..K in that order; annotations of the other categories are dropped
+    and counted by name in ``issues.other_classes``.
     """
     from pycocotools.coco import COCO
 
@@ -406,7 +439,7 @@ def parse_coco(
             raise DataError(f"annotation file {ann_file}: missing or malformed top-level key '{key}'")
     data.setdefault("annotations", [])
 
-    # Categories -> labels 1..K, ordered by id.
+    # Categories -> labels 1..K: ordered by id, or in the order of ``class_names``.
     categories = {}
     for i, cat in enumerate(data["categories"]):
         if not isinstance(cat, dict) or "id" not in cat:
@@ -414,10 +447,11 @@ def parse_coco(
         if cat["id"] in categories:
             issues.error(f"annotation file {ann_file}: category id {cat['id']} appears twice in 'categories'")
         categories[cat["id"]] = cat
-    cat_ids = sorted(categories)
+    names_by_id = {c: str(categories[c].get("name", c)) for c in sorted(categories)}
+    cat_ids = _coco_subset(names_by_id, class_names, ann_file) if class_names else sorted(categories)
     label_to_category_id = {i + 1: int(c) for i, c in enumerate(cat_ids)}
     category_id_to_label = {c: lab for lab, c in label_to_category_id.items()}
-    class_names = [str(categories[c].get("name", c)) for c in cat_ids]
+    class_names = [names_by_id[c] for c in cat_ids]
 
     # Images: required fields, unique ids (pycocotools would silently keep the last one).
     seen: Dict[Any, str] = {}
@@ -464,7 +498,10 @@ def parse_coco(
                 issues.error(f"{where}: image_id {ann.get('image_id')!r} is not in 'images'")
             continue
         if ann.get("category_id") not in category_id_to_label:
-            issues.error(f"{where}: category_id {ann.get('category_id')!r} is not in 'categories'")
+            if ann.get("category_id") in names_by_id:  # a category left out of data.class_names
+                issues.other_classes[names_by_id[ann["category_id"]]] += 1
+            else:
+                issues.error(f"{where}: category_id {ann.get('category_id')!r} is not in 'categories'")
             continue
         bbox = ann.get("bbox")
         if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(isinstance(v, (int, float)) for v in bbox):
@@ -476,7 +513,8 @@ def parse_coco(
     # pycocotools' index over the validated content (it would silently keep the last of
     # two equal ids, and fail on annotations without one).
     coco = COCO()
-    coco.dataset = {**data, "images": good_images, "annotations": good_anns}
+    coco.dataset = {**data, "images": good_images, "annotations": good_anns,
+                    "categories": [categories[c] for c in cat_ids]}
     with contextlib.redirect_stdout(io.StringIO()):
         coco.createIndex()
 
@@ -526,6 +564,8 @@ class CocoDetection(DetectionDataset):
         ann_file: the instances JSON.
         transforms: callable applied to (image, boxes, labels); None = no resize.
         filter_empty: drop images without a trainable box.
+        class_names: category names to keep, as labels 1..K in this order (a subset;
+            the other categories' boxes are dropped and counted in the log); None = all.
     """
 
     def __init__(
@@ -535,14 +575,16 @@ class CocoDetection(DetectionDataset):
         transforms: Optional[Transform] = None,
         filter_empty: bool = False,
         use_difficult: bool = False,
+        class_names: Optional[Sequence[str]] = None,
     ) -> None:
         issues = Issues(strict=True)
-        records, class_names, label_to_cat, coco = parse_coco(ann_file, image_dir, issues)
+        records, class_names, label_to_cat, coco = parse_coco(ann_file, image_dir, issues, class_names)
         self.coco = coco
         self.image_dir = str(image_dir)
         self.ann_file = str(ann_file)
         if issues.skipped:
             logger.warning("%s: skipped annotations: %s", ann_file, dict(issues.skipped))
+        log_other_classes(str(ann_file), class_names, issues.other_classes)
         super().__init__(records, class_names, label_to_cat, transforms=transforms, use_difficult=use_difficult,
                          filter_empty=filter_empty, skipped=issues.skipped, source=str(ann_file))
 
@@ -566,10 +608,26 @@ def voc_image_ids(ids: Sequence[str]) -> List[int]:
     return list(range(1, len(ids) + 1))
 
 
+def log_other_classes(source: str, class_names: Sequence[str], dropped: Counter) -> None:
+    """One info line: the boxes of classes outside ``class_names`` that were dropped, per class."""
+    if dropped:
+        logger.info("%s: training on %d classes (data.class_names); dropped %d boxes of other classes: %s",
+                    source, len(class_names), sum(dropped.values()),
+                    ", ".join(f"{name} {n}" for name, n in dropped.most_common()))
+
+
 def parse_voc(
-    root: str | os.PathLike, split: str, class_names: Sequence[str], issues: Issues
+    root: str | os.PathLike,
+    split: str,
+    class_names: Sequence[str],
+    issues: Issues,
+    drop_other_classes: bool = False,
 ) -> List[ImageRecord]:
     """Parse ``<root>/ImageSets/Main/<split>.txt`` and ``<root>/Annotations/<id>.xml``.
+
+    An object whose class is not in ``class_names`` is an error, or, with
+    ``drop_other_classes`` (a class subset), dropped and counted by name in
+    ``issues.other_classes``.
 
     VOC boxes are 1-based inclusive pixel indices: ``xmin..xmax`` covers pixels xmin to
     xmax. In continuous 0-based coordinates that is ``[xmin - 1, xmax]`` (width
@@ -618,7 +676,10 @@ def parse_voc(
             where = f"VOC annotation file {xml_path}: object {j}"
             name = _xml_text(obj, "name")
             if name not in name_to_label:
-                issues.error(f"{where}: class name {name!r} is not in data.class_names")
+                if drop_other_classes and name:
+                    issues.other_classes[name] += 1
+                else:
+                    issues.error(f"{where}: class name {name!r} is not in data.class_names")
                 continue
             bnd = obj.find("bndbox")
             try:
@@ -647,6 +708,9 @@ class VOCDetection(DetectionDataset):
     ``Annotations/*.xml``, ``ImageSets/Main/<split>.txt``.
 
     Labels follow ``class_names`` (1..K); ``label_to_category_id`` is the identity.
+    ``class_names`` None means VOC's 20 (another class in the XML is an error); a given
+    list is a subset: objects of other classes are dropped and counted in the log, and
+    with ``require_every_class`` (training) a listed class without any object is an error.
     ``difficult`` objects are flagged; they are trained on only with ``use_difficult``.
     Image ids: see ``voc_image_ids``.
     """
@@ -659,10 +723,12 @@ class VOCDetection(DetectionDataset):
         transforms: Optional[Transform] = None,
         filter_empty: bool = False,
         use_difficult: bool = False,
+        require_every_class: bool = False,
     ) -> None:
+        subset = bool(class_names)
         class_names = list(class_names) if class_names else list(VOC_CLASSES)
         issues = Issues(strict=True)
-        records = parse_voc(root, split, class_names, issues)
+        records = parse_voc(root, split, class_names, issues, drop_other_classes=subset)
         self.root = str(root)
         self.split = split
         if issues.skipped:
@@ -671,6 +737,21 @@ class VOCDetection(DetectionDataset):
             logger.info("%s (%s): %d objects have non-integer <bndbox> coordinates, used as floats (first: %s)",
                         root, split, len(issues.non_integer), issues.non_integer[0])
         self.num_non_integer_boxes = len(issues.non_integer)
+        if subset and require_every_class:
+            _check_every_class(records, class_names, issues.other_classes, f"{root} ({split})")
+        log_other_classes(f"{root} ({split})", class_names, issues.other_classes)
         super().__init__(records, class_names, {i + 1: i + 1 for i in range(len(class_names))},
                          transforms=transforms, use_difficult=use_difficult, filter_empty=filter_empty,
                          skipped=issues.skipped, source=f"{root} ({split})")
+
+
+def _check_every_class(records: List[ImageRecord], class_names: Sequence[str], others: Counter, source: str) -> None:
+    """A training set must hold at least one object of every class of ``data.class_names``."""
+    present = set()
+    for r in records:
+        present.update(int(lab) for lab in r.labels.tolist())
+    for label, name in enumerate(class_names, start=1):
+        if label not in present:
+            near = difflib.get_close_matches(name, list(others), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f"; the data's other classes: {', '.join(sorted(others)) or 'none'}"
+            raise DataError(f"data.class_names: {name!r} has no object in {source}{hint}")

@@ -12,16 +12,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
-import torch
 from torch import nn
 
+from ..config import amp_dtype as resolve_amp_dtype
 from ..distributed import all_gather_object, get_rank, get_world_size
 from .inference import LOSS_NAMES, array_to_results, compute_val_loss, run_inference
 from .scoring import format_table, score_detections, write_outputs
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _check_coverage(dataset_ids: List[int], gathered_ids: List[int]) -> None:
@@ -61,7 +59,7 @@ def evaluate(
 
     rank, world_size = get_rank(), get_world_size()
     loader = build_test_loader(cfg, dataset, rank, world_size)
-    amp_dtype = _DTYPES.get(cfg.train.amp.dtype, torch.float16)
+    amp_dtype = resolve_amp_dtype(cfg.train.amp, next(model.parameters()).device)
     out = run_inference(model, loader, dataset.label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=rank == 0)
     loss_part = None
     if cfg.eval.compute_val_loss:

@@ -19,6 +19,9 @@ def build_model(cfg: Config) -> FasterRCNN:
     ``load_weights`` (evaluation, inference).
     """
     m, r, h = cfg.model, cfg.rpn, cfg.roi_heads
+    if m.num_classes is None:
+        raise ValueError("model.num_classes is auto, which only training resolves (from the data set): "
+                         "use the run's config.yaml, or set model.num_classes=K")
     if m.num_classes < 1:
         raise ValueError(f"model.num_classes must be >= 1, got {m.num_classes}")
     if len(m.pixel_mean) != 3 or len(m.pixel_std) != 3:
