@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import signal
 import time
@@ -188,9 +189,24 @@ def _pin_memory(cfg: Config) -> bool:
     return torch.cuda.is_available() and cfg.train.device != "cpu"
 
 
-def _worker_kwargs(cfg: Config, num_workers: int) -> Dict[str, Any]:
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; ``os.cpu_count()`` elsewhere)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _worker_kwargs(cfg: Config, num_workers: int, log_level: int = logging.INFO) -> Dict[str, Any]:
+    """DataLoader worker arguments; ``num_workers`` above the CPU count is capped to it
+    (more workers than CPUs only compete, and torch warns), with a log line at ``log_level``."""
     if num_workers <= 0:
         return {"num_workers": 0}
+    cpus = available_cpus()
+    if num_workers > cpus:
+        logger.log(log_level, "data.num_workers=%d is more than the %d CPUs this process may use; using %d workers",
+                   num_workers, cpus, cpus)
+        num_workers = cpus
     return {
         "num_workers": num_workers,
         "persistent_workers": cfg.data.persistent_workers,
@@ -256,7 +272,7 @@ def build_test_loader(cfg: Config, dataset: Dataset, rank: int = 0, world_size: 
     num_workers = cfg.data.num_workers if num_workers is None else num_workers
     sampler = InferenceSampler(len(dataset), rank, world_size)
     batch_sampler = torch.utils.data.BatchSampler(sampler, cfg.eval.images_per_gpu, drop_last=False)
-    kwargs = _worker_kwargs(cfg, num_workers)
+    kwargs = _worker_kwargs(cfg, num_workers, logging.DEBUG)  # the training loader said it already
     kwargs.pop("persistent_workers", None)  # evaluation runs now and then; free the workers
     return DetectionDataLoader(
         dataset,

@@ -19,30 +19,46 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+class ErrorsOnly(logging.Filter):
+    """Passes records of level ERROR and above: the console filter of ranks other than
+    0, so that a warning every rank would repeat is printed once, by rank 0."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
 def setup_logging(output_dir: Optional[str | os.PathLike] = None, rank: int = 0, level: int = logging.INFO) -> None:
-    """Configure the ``detector`` logger: console on every rank (rank > 0: warnings
-    only) and ``<output_dir>/log.txt`` on rank 0. Called once by the entry point."""
-    log = logging.getLogger("detector")
-    log.setLevel(logging.DEBUG)
-    log.propagate = False
-    for h in list(log.handlers):
-        if getattr(h, "_detector_handler", False):
-            log.removeHandler(h)
-            h.close()
+    """Configure the ``detector`` logger and Python's warnings (``py.warnings``, through
+    ``logging.captureWarnings``): console on rank 0 at ``level``, errors only on the
+    other ranks (``ErrorsOnly``), and ``<output_dir>/log.txt`` on rank 0. Called once
+    by the entry point."""
+    logging.captureWarnings(True)
     prefix = f"[rank {rank}] " if rank > 0 else ""
     fmt = logging.Formatter(f"%(asctime)s {prefix}%(levelname).1s %(name)s: %(message)s", "%H:%M:%S")
     console = logging.StreamHandler(sys.stdout)
-    console.setLevel(level if rank == 0 else logging.WARNING)
+    console.setLevel(level)
+    if rank > 0:
+        console.addFilter(ErrorsOnly())
     console.setFormatter(fmt)
-    console._detector_handler = True  # type: ignore[attr-defined]
-    log.addHandler(console)
+    handlers: List[logging.Handler] = [console]
     if output_dir is not None and rank == 0:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         fh = logging.FileHandler(Path(output_dir) / "log.txt")
         fh.setLevel(logging.DEBUG)
         fh.setFormatter(fmt)
-        fh._detector_handler = True  # type: ignore[attr-defined]
-        log.addHandler(fh)
+        handlers.append(fh)
+    for name in ("detector", "py.warnings"):
+        log = logging.getLogger(name)
+        log.setLevel(logging.DEBUG)
+        log.propagate = False
+        for h in list(log.handlers):
+            if getattr(h, "_detector_handler", False):
+                log.removeHandler(h)
+                if name == "detector":  # the same handler objects serve both loggers
+                    h.close()
+        for h in handlers:
+            h._detector_handler = True  # type: ignore[attr-defined]
+            log.addHandler(h)
 
 
 def format_eta(seconds: float) -> str:
