@@ -558,12 +558,15 @@ def check_output_dir(path: str | os.PathLike, key: str = "train.output_dir") -> 
 
 @dataclass(frozen=True)
 class AmpSettings:
-    """What ``train.amp`` means on one device: autocast ``enabled`` with ``dtype``;
-    ``use_scaler`` (a GradScaler) for float16 on CUDA."""
+    """What ``train.amp`` means on one device (``resolve_amp``): autocast ``enabled``
+    with ``dtype``. float16 needs a GradScaler (it is refused on the CPU)."""
 
-    enabled: bool
-    dtype: torch.dtype
-    use_scaler: bool
+    enabled: bool = False
+    dtype: torch.dtype = torch.float16
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.enabled and self.dtype == torch.float16
 
 
 def amp_dtype(amp: AMPConfig, device: torch.device | str) -> torch.dtype:
@@ -595,7 +598,7 @@ def resolve_amp(amp: AMPConfig, device: torch.device | str) -> AmpSettings:
             "is many times slower than float32 on the CPU and trains without loss scaling; use "
             "train.amp.enabled=auto (off on the CPU) or train.amp.dtype=bfloat16"
         )
-    return AmpSettings(enabled=enabled, dtype=dtype, use_scaler=enabled and cuda and dtype == torch.float16)
+    return AmpSettings(enabled=enabled, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- public

@@ -173,15 +173,15 @@ def test_recipe_configs_take_classes_and_amp_from_data_and_device(name):
 def test_resolve_amp_per_device(monkeypatch):
     auto = AMPConfig()
     cpu = resolve_amp(auto, "cpu")
-    assert (cpu.enabled, cpu.use_scaler) == (False, False)
+    assert (cpu.enabled, cpu.uses_scaler) == (False, False)
     on_cpu = resolve_amp(AMPConfig(enabled=True), "cpu")
-    assert on_cpu.enabled and on_cpu.dtype == torch.bfloat16 and not on_cpu.use_scaler
+    assert on_cpu.enabled and on_cpu.dtype == torch.bfloat16 and not on_cpu.uses_scaler
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     gpu = resolve_amp(auto, torch.device("cuda", 0))
-    assert gpu.enabled and gpu.dtype == torch.bfloat16 and not gpu.use_scaler
+    assert gpu.enabled and gpu.dtype == torch.bfloat16 and not gpu.uses_scaler
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     old_gpu = resolve_amp(auto, "cuda")
-    assert old_gpu.enabled and old_gpu.dtype == torch.float16 and old_gpu.use_scaler
+    assert old_gpu.enabled and old_gpu.dtype == torch.float16 and old_gpu.uses_scaler
     assert resolve_amp(AMPConfig(enabled=False), "cuda").enabled is False
 
 

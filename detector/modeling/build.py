@@ -19,11 +19,6 @@ def build_model(cfg: Config) -> FasterRCNN:
     ``load_weights`` (evaluation, inference).
     """
     m, r, h = cfg.model, cfg.rpn, cfg.roi_heads
-    if m.num_classes is None:
-        raise ValueError("model.num_classes is auto, which only training resolves (from the data set): "
-                         "use the run's config.yaml, or set model.num_classes=K")
-    if m.num_classes < 1:
-        raise ValueError(f"model.num_classes must be >= 1, got {m.num_classes}")
     if len(m.pixel_mean) != 3 or len(m.pixel_std) != 3:
         raise ValueError("model.pixel_mean and model.pixel_std need 3 values (RGB)")
     backbone = build_resnet_fpn(
@@ -64,6 +59,11 @@ def build_model(cfg: Config) -> FasterRCNN:
         sampling_ratio=h.sampling_ratio,
         aligned=h.aligned,
     )
+    if m.num_classes is None:
+        raise ValueError("model.num_classes is auto, which only training resolves (from the data set): "
+                         "use the run's config.yaml, or set model.num_classes=K")
+    if m.num_classes < 1:
+        raise ValueError(f"model.num_classes must be >= 1, got {m.num_classes}")
     box_head = TwoMLPHead(backbone.out_channels * h.pooler_resolution ** 2, h.representation_size)
     roi_heads = ROIHeads(
         pooler,
