@@ -244,11 +244,13 @@ def test_backbone_weights_by_torchvision_name(monkeypatch, norm):
         reference.bn1.running_var.fill_(2.0)
 
     class FakeWeights:
-        def get_state_dict(self, progress=True):
+        def get_state_dict(self, progress=True, check_hash=False):
             return reference.state_dict()
 
+    import detector.modeling.weights as weights_module
+
     names = []
-    monkeypatch.setattr(torchvision.models, "get_weight", lambda name: names.append(name) or FakeWeights())
+    monkeypatch.setattr(weights_module, "get_weight", lambda name: names.append(name) or FakeWeights())
     bb = build_resnet_fpn("resnet18", norm=norm, fpn_channels=16, backbone_weights="ResNet18_Weights.IMAGENET1K_V1")
     assert names == ["ResNet18_Weights.IMAGENET1K_V1"]
     torch.testing.assert_close(bb.body.layer3[1].conv2.weight, reference.layer3[1].conv2.weight)

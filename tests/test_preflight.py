@@ -375,3 +375,64 @@ def test_warnings_print_on_rank_zero_only(rank, capsys):
     assert ("a warning every rank would repeat" in out) == (rank == 0)
     assert ("a python warning every rank would repeat" in out) == (rank == 0)
     assert "an error of this rank" in out
+
+
+# --------------------------------------------------------------------------- offline backbone weights
+
+
+def _offline(monkeypatch, tmp_path) -> Path:
+    """An empty torch hub cache and a download function that fails as it does offline."""
+    import urllib.error
+
+    def no_network(url, *args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
+    return tmp_path / "torch_home" / "hub" / "checkpoints"
+
+
+def test_backbone_weights_offline_is_one_line_naming_file_and_way_out(monkeypatch, tmp_path):
+    from detector.modeling.backbone import build_resnet_fpn
+    from detector.modeling.weights import WeightsError
+
+    folder = _offline(monkeypatch, tmp_path)
+    with pytest.raises(WeightsError) as e:
+        build_resnet_fpn("resnet18", norm="bn", backbone_weights="ResNet18_Weights.IMAGENET1K_V1")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("model.backbone_weights: cannot download")
+    assert "resnet18-f37072fd.pth" in msg and f"put that file in {folder}/" in msg
+    assert "model.backbone_weights= to start from random initialisation" in msg
+    assert not any(folder.parent.rglob("*.pth"))
+
+
+def test_backbone_weights_file_put_in_the_cache_loads_offline(monkeypatch, tmp_path):
+    import torchvision
+
+    from detector.modeling.backbone import build_resnet_fpn
+
+    folder = _offline(monkeypatch, tmp_path)
+    folder.mkdir(parents=True)
+    torch.manual_seed(3)
+    state = torchvision.models.resnet18().state_dict()
+    torch.save(state, folder / "resnet18-f37072fd.pth")
+    backbone = build_resnet_fpn("resnet18", norm="bn", freeze_at=0, backbone_weights="ResNet18_Weights.IMAGENET1K_V1")
+    loaded = backbone.body.state_dict()
+    assert torch.equal(loaded["conv1.weight"], state["conv1.weight"])
+    assert torch.equal(loaded["layer4.1.conv2.weight"], state["layer4.1.conv2.weight"])
+
+
+def test_train_tool_offline_backbone_weights(monkeypatch, tmp_path, train_tool, voc_root, capsys):
+    _offline(monkeypatch, tmp_path)
+    argv = ["--config", str(TINY), *_voc_overrides(voc_root, tmp_path / "run"), "train.device=cpu",
+            "data.class_names=[cat,dog,person]", "model.backbone_weights=ResNet18_Weights.IMAGENET1K_V1"]
+    try:
+        code = train_tool.main(argv)
+    finally:
+        logging.getLogger("detector").handlers.clear()
+        logging.captureWarnings(False)
+    captured = capsys.readouterr()
+    err_lines = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(err_lines) == 1
+    assert "model.backbone_weights" in err_lines[0] and "resnet18-f37072fd.pth" in err_lines[0]
+    assert "Traceback" not in captured.err + captured.out

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from detector.config import Config
+from detector.config import Config, resolve_amp
 from detector.distributed import DistInfo
 from detector.engine.optim import build_optimizer
 from detector.engine.trainer import Trainer
@@ -41,10 +41,10 @@ def apply_speed_options(model: nn.Module, cfg: Config, device: torch.device) -> 
 
 
 def _autocast(cfg: Config, device: torch.device):
-    if not cfg.train.amp.enabled:
+    amp = resolve_amp(cfg.train.amp, device)
+    if not amp.enabled:
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if cfg.train.amp.dtype == "bfloat16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=amp.dtype)
 
 
 def build_train_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -76,7 +76,7 @@ def make_train_step(
     device: torch.device,
     torchvision_api: bool,
 ) -> Callable[[Batch], Dict[str, torch.Tensor]]:
-    """One training step: forward (autocast if ``train.amp.enabled``), sum of losses,
+    """One training step: forward (autocast as ``train.amp`` resolves on ``device``), sum of losses,
     backward, optimizer step, ``zero_grad(set_to_none=True)``. No host sync.
 
     ``torchvision_api``: convert the uint8 images to float 0..1 on the device and move
@@ -84,7 +84,7 @@ def make_train_step(
     come from the loader and moves them itself.
     """
     scaler = None
-    if cfg.train.amp.enabled and cfg.train.amp.dtype == "float16" and device.type == "cuda":
+    if resolve_amp(cfg.train.amp, device).uses_scaler:
         scaler = torch.amp.GradScaler(device.type)
 
     def step(batch: Batch) -> Dict[str, torch.Tensor]:

@@ -33,6 +33,8 @@ from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops import FrozenBatchNorm2d as _TVFrozenBatchNorm2d
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
+from .weights import torchvision_state_dict
+
 logger = logging.getLogger(__name__)
 
 RESNETS: Dict[str, Callable[..., torchvision.models.ResNet]] = {
@@ -152,9 +154,13 @@ class ResNetFPN(nn.Module):
 def load_backbone_weights(resnet: nn.Module, weights_name: str, norm: str) -> None:
     """Load torchvision ImageNet weights (e.g. ``"ResNet50_Weights.IMAGENET1K_V1"``) into a
     ResNet built with ``norm``. Downloads through torchvision's cache. For ``gn`` the
-    BatchNorm statistics are dropped (GroupNorm keeps only the affine parameters)."""
-    weights = torchvision.models.get_weight(weights_name)
-    state = weights.get_state_dict(progress=True)
+    BatchNorm statistics are dropped (GroupNorm keeps only the affine parameters).
+
+    Raises:
+        WeightsError: an unknown name or a failed download (offline), one line naming
+            the file, where to put it, and ``model.backbone_weights=`` (random init)."""
+    state = torchvision_state_dict(weights_name, key="model.backbone_weights",
+                                   instead="set model.backbone_weights= to start from random initialisation")
     if norm == "gn":
         state = {k: v for k, v in state.items() if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
     missing, unexpected = resnet.load_state_dict(state, strict=False)

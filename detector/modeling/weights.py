@@ -33,6 +33,7 @@ import logging
 import os
 import pickle
 import re
+import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,20 +289,28 @@ def _looks_like_torchvision_weights(source: str) -> bool:
     return bool(dot) and head.endswith("_Weights") and tail.isidentifier() and "/" not in source
 
 
-def _torchvision_state_dict(source: str) -> Dict[str, Tensor]:
-    """Download (once, to ``$TORCH_HOME``) and return torchvision weights by name."""
+def torchvision_state_dict(source: str, key: str = "model.weights",
+                           instead: str = "pass a local path") -> Dict[str, Tensor]:
+    """Download (once, to torch hub's cache ``$TORCH_HOME/hub/checkpoints``) and return
+    torchvision weights by name, e.g. ``ResNet50_Weights.IMAGENET1K_V1``.
+
+    Raises:
+        WeightsError: an unknown name, or a download that failed (offline): one line
+            naming ``key``, the file it wanted, the folder to put it in, and ``instead``.
+    """
     try:
         weights = get_weight(source)
     except (ValueError, KeyError, AttributeError):
-        raise WeightsError(f"model.weights: unknown torchvision weights name {source!r}") from None
+        raise WeightsError(f"{key}: unknown torchvision weights name {source!r}") from None
     try:
         return weights.get_state_dict(progress=False, check_hash=True)
     except Exception as exc:  # noqa: BLE001 - URLError, OSError, RuntimeError (hash)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        file_name = os.path.basename(urllib.parse.urlparse(weights.url).path)
+        folder = Path(torch.hub.get_dir()) / "checkpoints"
         raise WeightsError(
-            f"model.weights: cannot download torchvision weights {source!r} from {weights.url} "
-            f"({type(exc).__name__}: {reason}); when offline, put the file in "
-            f"{torch.hub.get_dir()}/checkpoints/ or pass a local path"
+            f"{key}: cannot download torchvision weights {source!r} ({type(exc).__name__}: {reason}); "
+            f"it wants {file_name} from {weights.url}: when offline, put that file in {folder}/, or {instead}"
         ) from None
 
 
@@ -326,7 +335,7 @@ def load_initial_weights(model: nn.Module, source: str) -> LoadReport:
             raise WeightsError(f"model.weights: {exc}") from None
         what = str(path)
     elif _looks_like_torchvision_weights(source):
-        state = _torchvision_state_dict(source)
+        state = torchvision_state_dict(source)
         what = f"torchvision {source}"
         try:
             report = load_weights(model, state, name=what)
