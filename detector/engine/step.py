@@ -23,29 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-_AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# Mixed-precision settings come from ``detector.config.resolve_amp``, the one place that
+# turns ``train.amp`` into them for a device.
+from detector.config import AmpSettings
 
-
-@dataclass(frozen=True)
-class AmpSettings:
-    """Mixed precision: ``enabled`` and the autocast ``dtype``. float16 needs a GradScaler."""
-
-    enabled: bool = False
-    dtype: torch.dtype = torch.float16
-
-    @property
-    def uses_scaler(self) -> bool:
-        return self.enabled and self.dtype == torch.float16
-
-
-def amp_settings(amp_cfg: Any, device: torch.device) -> AmpSettings:
-    """``train.amp`` (``enabled``, ``dtype``: ``float16`` | ``bfloat16``) for ``device``.
-
-    The one place that turns the AMP config into settings.
-    """
-    if amp_cfg.dtype not in _AMP_DTYPES:
-        raise ValueError(f"train.amp.dtype must be 'float16' or 'bfloat16', got {amp_cfg.dtype!r}")
-    return AmpSettings(enabled=bool(amp_cfg.enabled), dtype=_AMP_DTYPES[amp_cfg.dtype])
 
 
 @dataclass
@@ -83,7 +64,7 @@ class TrainStep:
         optimizer: its parameter groups hold every parameter to train.
         scheduler: stepped once per call (skipped steps included, so the schedule
             follows the iteration count).
-        amp: autocast settings (``amp_settings``).
+        amp: autocast settings (``detector.config.resolve_amp``).
         clip_grad_norm: max total L2 norm of the gradients; ``<= 0`` turns clipping off.
         world_size: processes in the default process group (> 1: the flags are all-reduced).
         scaler: a GradScaler to use (e.g. restored from a checkpoint); by default one is

@@ -27,8 +27,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from detector.config import Config, config_to_dict, config_to_yaml, save_config
-from detector.data import build_dataset
+from detector.config import AmpSettings, Config, config_to_dict, config_to_yaml, resolve_amp, save_config
+from detector.data import build_dataset, check_data_paths, resolve_num_classes
 from detector.data.loader import build_train_loader
 from detector.engine import checkpoint as ckpt
 from detector.distributed import DistInfo, all_gather_object, barrier, init_distributed, seed_everything
@@ -51,7 +51,7 @@ from detector.engine.optim import build_lr_scheduler, build_optimizer
 from detector.engine.resume import load_training_state
 from detector.engine.run_folder import RunFolder
 from detector.engine.setup import apply_norm_policy, configure_torch, prepare_model  # noqa: F401 (apply_norm_policy: public here too)
-from detector.engine.step import AmpSettings, StepResult, TrainStep, amp_settings
+from detector.engine.step import StepResult, TrainStep
 from detector.evaluation import evaluate as default_evaluate
 from detector.modeling import FasterRCNN, build_model
 from detector.modeling.summary import default_image_size, format_summary, write_summary
@@ -123,6 +123,17 @@ class Trainer:
 
     def _build(self, model: Optional[nn.Module], train_loader: Any, val_dataset: Any, evaluate_fn: Any) -> None:
         cfg = self.cfg
+        # Checked before the model is built: AMP for this device (float16 on a CPU is
+        # refused), the data paths, and model.num_classes (auto: from the training set).
+        self.amp: AmpSettings = resolve_amp(cfg.train.amp, self.device)
+        train_set = None
+        if train_loader is None:
+            if val_dataset is None and cfg.train.eval_period >= 0:
+                check_data_paths(cfg, "val")
+            train_set = build_dataset(cfg, "train", True)
+            cfg = self.cfg = resolve_num_classes(cfg, train_set)
+        elif cfg.model.num_classes is None:
+            cfg = self.cfg = resolve_num_classes(cfg)
         if model is None:
             model = build_model(cfg)
             if cfg.model.weights:
@@ -132,11 +143,10 @@ class Trainer:
         self.model, self.model_without_ddp = prepare_model(model, cfg, self.device, self.world_size)
         self.optimizer = build_optimizer(self.model, cfg, self.world_size)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
-        self.amp: AmpSettings = amp_settings(cfg.train.amp, self.device)
         self.step = TrainStep(self.model, self.optimizer, self.scheduler, self.amp, cfg.solver.clip_grad_norm, self.world_size)
         self.scaler = self.step.scaler
         if train_loader is None:
-            train_loader = build_train_loader(cfg, build_dataset(cfg, "train", True), self.rank, self.world_size)
+            train_loader = build_train_loader(cfg, train_set, self.rank, self.world_size)
         self.train_loader = train_loader
         self._val_dataset = val_dataset
         self._evaluate_fn = evaluate_fn or default_evaluate
