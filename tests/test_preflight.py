@@ -436,3 +436,13 @@ def test_train_tool_offline_backbone_weights(monkeypatch, tmp_path, train_tool, 
     assert code == 1 and len(err_lines) == 1
     assert "model.backbone_weights" in err_lines[0] and "resnet18-f37072fd.pth" in err_lines[0]
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_check_dataset_reports_a_class_subset_like_training(voc_root, tmp_path):
+    from detector.data.check import check_dataset, format_report
+
+    cfg = load_config(TINY, _voc_overrides(voc_root, tmp_path / "o") + ["data.class_names=[dog,cat]"])
+    report = check_dataset(cfg, "train")
+    assert report.ok, report.errors
+    assert report.per_class == {"dog": 2, "cat": 2} and report.other_classes == {"person": 3, "car": 1}
+    assert "boxes of classes outside data.class_names (dropped in training): 4 (person 3, car 1)" in format_report(report)

@@ -42,6 +42,7 @@ class CheckReport:
     past_edge_boxes: int = 0
     non_integer_boxes: int = 0  # VOC boxes with fractional coordinates: accepted, reported
     non_integer_examples: List[str] = field(default_factory=list)
+    other_classes: Dict[str, int] = field(default_factory=dict)  # boxes outside data.class_names, dropped
     missing_files: List[str] = field(default_factory=list)
     unreadable_files: List[str] = field(default_factory=list)
     errors: List[str] = field(default_factory=list)  # every error message, in order found
@@ -81,16 +82,17 @@ def describe_source(cfg: Config, split: str) -> str:
 def _records_for(cfg: Config, split: str, issues: Issues) -> Tuple[List[ImageRecord], List[str]]:
     data = cfg.data
     sc = getattr(data, split)
+    subset = list(data.class_names) or None  # a class subset: other classes are dropped, as in training
     if data.format == "coco":
-        records, names, _, _ = parse_coco(sc.ann_file, sc.root, issues)
+        records, names, _, _ = parse_coco(sc.ann_file, sc.root, issues, subset)
         return records, names
     if data.format == "voc":
-        names = list(data.class_names) or list(VOC_CLASSES)
-        return parse_voc(sc.root, sc.split or split, names, issues), names
+        names = subset or list(VOC_CLASSES)
+        return parse_voc(sc.root, sc.split or split, names, issues, drop_other_classes=bool(subset)), names
     if data.format == "shapes":
         name = sc.split or split
         ann_file = sc.ann_file or os.path.join(sc.root, f"{name}.json")
-        records, names, _, _ = parse_coco(ann_file, os.path.join(sc.root, name), issues)
+        records, names, _, _ = parse_coco(ann_file, os.path.join(sc.root, name), issues, subset)
         return records, names
     raise ValueError(f"data.format must be coco, voc or shapes, got {data.format!r}")
 
@@ -112,6 +114,7 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
     report.past_edge_boxes = len(issues.past_edge)
     report.non_integer_boxes = len(issues.non_integer)
     report.non_integer_examples = issues.non_integer[:MAX_LISTED]
+    report.other_classes = dict(issues.other_classes.most_common())
     report.errors.extend(m for m in issues.skip_messages)
     report.errors.extend(issues.past_edge)
 
@@ -163,6 +166,9 @@ def format_report(report: CheckReport) -> str:
         lines.append("boxes per class:")
         width = max(len(n) for n in report.per_class)
         lines += [f"  {name:<{width}}  {count}" for name, count in report.per_class.items()]
+    if report.other_classes:
+        lines.append(f"boxes of classes outside data.class_names (dropped in training): "
+                     f"{sum(report.other_classes.values())} (" + ", ".join(f"{k} {v}" for k, v in report.other_classes.items()) + ")")
     for title, hist in (("image size sqrt(w*h)", report.size_hist), ("aspect ratio w/h", report.aspect_hist),
                         ("box area", report.box_size_hist)):
         if hist:
