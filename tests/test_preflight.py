@@ -134,6 +134,7 @@ def _voc_overrides(root: Path, out: Path) -> list:
         (["solver.param_groups=[{match: backbone, lr_mult: .inf}]"], "solver.param_groups[0].lr_mult"),
         (["train.amp.enabled=maybe"], "train.amp.enabled"),
         (["train.amp.dtype=float8"], "train.amp.dtype"),
+        (["data.class_names=[cat,cat]"], "data.class_names"),
     ],
 )
 def test_config_number_out_of_range_names_key(overrides, key):
