@@ -17,6 +17,7 @@ from detector.modeling.box_coder import clip_boxes
 from detector.modeling.export import (
     INSTALL_HINT,
     DetectorForExport,
+    compare_detections,
     ExportError,
     export_model,
     require_onnx,
@@ -73,6 +74,25 @@ def test_clip_boxes_equals_torchvision():
     expected = torchvision.ops.clip_boxes_to_image(boxes, (64, 96))
     assert torch.equal(clip_boxes(boxes, (64, 96)), expected)
     assert torch.equal(clip_boxes(boxes, (torch.tensor(64), torch.tensor(96))), expected)  # as while tracing
+
+
+def test_compare_detections_tolerances():
+    """Boxes within 1e-3 px + 1e-5 x |coordinate|, scores within 1e-4, same labels, same
+    count; the order of near-equal scores does not matter."""
+    boxes = torch.tensor([[10.0, 20.0, 50.0, 60.0], [900.0, 100.0, 1300.0, 700.0]])
+    scores, labels = torch.tensor([0.9, 0.8]), torch.tensor([1, 2])
+    eager = (boxes, scores, labels)
+
+    def check(b, s=scores, lab=labels):
+        return compare_detections(eager, (b, s, lab), (800, 1333)).ok
+
+    assert check(boxes + 0.9 * (1e-3 + 1e-5 * boxes))  # e.g. 1.26e-2 px at 1300 px
+    assert not check(boxes + torch.tensor([[2e-3, 0, 0, 0], [0, 0, 0, 0]]))  # 50 px: 1.5e-3 allowed
+    assert not check(boxes + torch.tensor([[0, 0, 0, 0], [0, 0, 2e-2, 0]]))
+    assert not check(boxes, scores + torch.tensor([0.0, 2e-4]))
+    assert not check(boxes, lab=torch.tensor([1, 3]))
+    assert not check(boxes[:1], scores[:1], labels[:1])
+    assert check(boxes.flip(0), scores.flip(0), labels.flip(0))  # paired, not row by row
 
 
 def test_wrapper_is_the_eager_model(model, images):

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from detector.config import ConfigError, load_config  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.summary import default_image_size, format_summary, model_summary  # noqa: E402
@@ -45,6 +47,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
         size = tuple(args.image_size) if args.image_size else default_image_size(cfg)
+        torch.manual_seed(0)  # random init: the RPN's proposal count (the RoI heads' FLOPs) repeats
         summary = model_summary(build_model(cfg), size)
         print(format_summary(summary))
         if args.json:

@@ -11,8 +11,15 @@ traced graph takes any image size and returns a variable number of detections.
 
 ``verify_export`` runs the file (TorchScript in torch, ONNX in onnxruntime) on test
 images and matches its detections against the eager model's: the same count, and each
-eager detection paired with an exported one of the same label within ``box_tol`` pixels
-and ``score_tol``.
+eager detection paired with an exported one of the same label whose coordinates differ
+by at most ``box_tol + box_rtol * |coordinate|`` pixels (1e-3 px + 1e-5 of the
+coordinate) and whose score differs by at most ``score_tol`` (1e-4).
+
+The relative term is float32 noise: ONNX Runtime's and PyTorch's convolution kernels
+round differently, and through a ResNet-50 the decoded boxes of an 800x1333 image differ
+by up to ~3e-3 px at coordinates ~1300 px (~2e-6 of the coordinate; measured with
+random weights, see docs/deploy.md). TorchScript runs PyTorch's own kernels and matches
+exactly. On small images (coordinates < 100 px) the bound is within 1.001e-3 px.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from .faster_rcnn import FasterRCNN
 FORMATS = ("torchscript", "onnx")
 INSTALL_HINT = "pip install -e \".[export]\""
 BOX_TOL = 1e-3  # pixels
+BOX_RTOL = 1e-5  # of the coordinate (float32 noise of other kernels on large images)
 SCORE_TOL = 1e-4
 DEFAULT_OPSET = 17
 Detections = Tuple[Tensor, Tensor, Tensor]  # boxes [M, 4] float32, scores [M] float32, labels [M] int64
@@ -204,12 +212,13 @@ class ParityReport:
 
 
 def compare_detections(eager: Detections, exported: Detections, image_size: Tuple[int, int],
-                       box_tol: float = BOX_TOL, score_tol: float = SCORE_TOL) -> ParityReport:
+                       box_tol: float = BOX_TOL, score_tol: float = SCORE_TOL,
+                       box_rtol: float = BOX_RTOL) -> ParityReport:
     """Pair each eager detection (in order) with the unpaired exported detection of the
-    same label closest in box coordinates; a pair counts when its boxes agree within
-    ``box_tol`` pixels and its scores within ``score_tol``. Pairing rather than comparing
-    row by row tolerates two detections whose scores are closer than float noise
-    swapping places."""
+    same label closest in box coordinates; a pair counts when every coordinate agrees
+    within ``box_tol + box_rtol * |eager coordinate|`` pixels and the scores within
+    ``score_tol``. Pairing rather than comparing row by row tolerates two detections
+    whose scores are closer than float noise swapping places."""
     e_boxes, e_scores, e_labels = (t.detach().cpu() for t in eager)
     x_boxes, x_scores, x_labels = (t.detach().cpu() for t in exported)
     e_boxes, x_boxes = e_boxes.double().reshape(-1, 4), x_boxes.double().reshape(-1, 4)
@@ -225,7 +234,8 @@ def compare_detections(eager: Detections, exported: Detections, image_size: Tupl
         box_diff = (x_boxes[candidates] - e_boxes[i]).abs().amax(dim=1)
         score_diff = (x_scores[candidates] - e_scores[i]).abs()
         j = int(torch.argmin(box_diff + score_diff))
-        if box_diff[j] > box_tol or score_diff[j] > score_tol:
+        allowed = box_tol + box_rtol * e_boxes[i].abs()
+        if ((x_boxes[candidates[j]] - e_boxes[i]).abs() > allowed).any() or score_diff[j] > score_tol:
             unmatched += 1
             continue
         free[candidates[j]] = False
@@ -235,7 +245,8 @@ def compare_detections(eager: Detections, exported: Detections, image_size: Tupl
 
 
 def verify_export(model: FasterRCNN, fmt: str, path: str | os.PathLike, images: Sequence[Tensor],
-                  box_tol: float = BOX_TOL, score_tol: float = SCORE_TOL) -> List[ParityReport]:
+                  box_tol: float = BOX_TOL, score_tol: float = SCORE_TOL,
+                  box_rtol: float = BOX_RTOL) -> List[ParityReport]:
     """Run the exported file and the eager model on each ``[3, H, W]`` uint8 image and
     compare (``compare_detections``). Returns one report per image; the caller decides
     what a mismatch means (``tools/export.py`` exits with status 1)."""
@@ -246,5 +257,6 @@ def verify_export(model: FasterRCNN, fmt: str, path: str | os.PathLike, images: 
         with torch.no_grad():
             det = model([image.to(model.device)])[0]
         eager = (det["boxes"], det["scores"], det["labels"])
-        reports.append(compare_detections(eager, run(image.cpu()), tuple(image.shape[-2:]), box_tol, score_tol))
+        reports.append(compare_detections(eager, run(image.cpu()), tuple(image.shape[-2:]), box_tol, score_tol,
+                                          box_rtol))
     return reports
