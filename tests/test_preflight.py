@@ -447,3 +447,23 @@ def test_check_dataset_reports_a_class_subset_like_training(voc_root, tmp_path):
     assert report.ok, report.errors
     assert report.per_class == {"dog": 2, "cat": 2} and report.other_classes == {"person": 3, "car": 1}
     assert "boxes of classes outside data.class_names (dropped in training): 4 (person 3, car 1)" in format_report(report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["lr_nan", "output_dir_is_a_file", "num_classes_mismatch"])
+def test_train_tool_process_exits_1_with_one_line(case, voc_root, tmp_path):
+    """The same refusals from a real process: exit status 1, one stderr line, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    cases, out = _bad_inputs(voc_root, tmp_path)
+    extra, expected = cases[case]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(TINY),
+                           *_voc_overrides(voc_root, out), "train.device=cpu", *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(err) == 1 and err[0].startswith("error: "), proc.stderr
+    assert all(text in err[0] for text in expected), err[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
