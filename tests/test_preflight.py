@@ -222,6 +222,11 @@ def test_data_paths_checked_without_reading(voc_root, coco_files, tmp_path):
         check_data_paths(load_config(TINY, coco + [f"data.train.ann_file={tmp_path / 'missing.json'}"]), "train")
     with pytest.raises(DataError, match=r"data.train.root: image folder .*nowhere not found"):
         check_data_paths(load_config(TINY, coco + [f"data.train.root={tmp_path / 'nowhere'}"]), "train")
+    # A folder that exists but holds other images: found when the data set is built.
+    (tmp_path / "other").mkdir()
+    with pytest.raises(DataError, match=r"data.train.root: image file .*other/x.jpg \(image_id 1\) not found; "
+                                        r"is data.train.root the folder that holds the images of .*instances.json\?"):
+        build_dataset(load_config(TINY, coco + [f"data.train.root={tmp_path / 'other'}"]), "train", True)
 
 
 # --------------------------------------------------------------------------- classes

@@ -88,6 +88,16 @@ def check_data_paths(cfg: Config, split: str) -> None:
         raise DataError(f"{key}.root: {root} is not a folder")
 
 
+def _check_first_images(dataset: DetectionDataset, key: str, count: int = 16) -> DetectionDataset:
+    """A wrong image folder shows at once: the first ``count`` image files must exist
+    (the rest are found missing when loaded, as any single missing file is)."""
+    for record in dataset.records[:count]:
+        if not os.path.isfile(record.path):
+            raise DataError(f"{key}: image file {record.path} (image_id {record.image_id}) not found; "
+                            f"is {key} the folder that holds the images of {dataset.source}?")
+    return dataset
+
+
 def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     """The data set of ``cfg.data.<split>`` (split "train" or "val") with the train or
     eval transforms of ``cfg.input``.
@@ -115,11 +125,13 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     filter_empty = bool(data.filter_empty and is_train)
     names = list(data.class_names) or None
     if data.format == "coco":
-        return CocoDetection(sc.root, sc.ann_file, transforms=transforms, filter_empty=filter_empty,
-                             use_difficult=data.use_difficult, class_names=names)
+        dataset: DetectionDataset = CocoDetection(sc.root, sc.ann_file, transforms=transforms, filter_empty=filter_empty,
+                                                  use_difficult=data.use_difficult, class_names=names)
+        return _check_first_images(dataset, f"data.{split}.root")
     if data.format == "voc":
-        return VOCDetection(sc.root, sc.split or split, class_names=names, transforms=transforms,
-                            filter_empty=filter_empty, use_difficult=data.use_difficult, require_every_class=is_train)
+        dataset = VOCDetection(sc.root, sc.split or split, class_names=names, transforms=transforms,
+                               filter_empty=filter_empty, use_difficult=data.use_difficult, require_every_class=is_train)
+        return _check_first_images(dataset, f"data.{split}.root")
     from .shapes import ensure_shapes  # here, so `python -m detector.data.shapes` runs cleanly
 
     s = data.shapes
