@@ -77,18 +77,19 @@ def test_clip_boxes_equals_torchvision():
 
 
 def test_compare_detections_tolerances():
-    """Boxes within 1e-3 px + 1e-5 x |coordinate|, scores within 1e-4, same labels, same
-    count; the order of near-equal scores does not matter."""
+    """Boxes within 1e-3 px + 1e-5 x the longer image side, scores within 1e-4, same
+    labels, same count; the order of near-equal scores does not matter."""
     boxes = torch.tensor([[10.0, 20.0, 50.0, 60.0], [900.0, 100.0, 1300.0, 700.0]])
     scores, labels = torch.tensor([0.9, 0.8]), torch.tensor([1, 2])
     eager = (boxes, scores, labels)
 
-    def check(b, s=scores, lab=labels):
-        return compare_detections(eager, (b, s, lab), (800, 1333)).ok
+    def check(b, s=scores, lab=labels, size=(800, 1333)):
+        return compare_detections(eager, (b, s, lab), size).ok
 
-    assert check(boxes + 0.9 * (1e-3 + 1e-5 * boxes))  # e.g. 1.26e-2 px at 1300 px
-    assert not check(boxes + torch.tensor([[2e-3, 0, 0, 0], [0, 0, 0, 0]]))  # 50 px: 1.5e-3 allowed
-    assert not check(boxes + torch.tensor([[0, 0, 0, 0], [0, 0, 2e-2, 0]]))
+    assert check(boxes + 0.0143)  # 1e-3 + 1e-5 * 1333 = 0.01433 px allowed
+    assert not check(boxes + 0.0144)
+    assert not check(boxes + torch.tensor([[2e-3, 0, 0, 0], [0, 0, 0, 0]]), size=(64, 96))  # 1.96e-3 allowed
+    assert check(boxes + torch.tensor([[1.9e-3, 0, 0, 0], [0, 0, 0, 0]]), size=(64, 96))
     assert not check(boxes, scores + torch.tensor([0.0, 2e-4]))
     assert not check(boxes, lab=torch.tensor([1, 3]))
     assert not check(boxes[:1], scores[:1], labels[:1])

@@ -15,7 +15,7 @@ After writing, the file is run (TorchScript in torch, ONNX in onnxruntime) on tw
 images of different sizes (a generated shapes scene at --image-size, default
 input.min_size_test x input.max_size_test, and the transposed size; or
 --image and its top-left 3/4 crop) and compared with the eager model: boxes within
-1e-3 px + 1e-5 x |coordinate| (float32 noise of other kernels on large images),
+1e-3 px + 1e-5 x the longer image side (float32 noise of other kernels on large images),
 scores within 1e-4, the same labels. A mismatch exits with status 1.
 --time N then times the eager model and the file on the first test image.
 --verify-only checks an existing file without exporting. ONNX needs the optional
@@ -74,7 +74,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--verify-only", action="store_true", help="check --output against the model, do not export")
     p.add_argument("--box-tol", type=float, default=BOX_TOL, help=f"box tolerance, pixels (default {BOX_TOL})")
     p.add_argument("--box-rtol", type=float, default=BOX_RTOL,
-                   help=f"box tolerance, fraction of the coordinate, added to --box-tol (default {BOX_RTOL})")
+                   help=f"box tolerance, fraction of the longer image side, added to --box-tol (default {BOX_RTOL})")
     p.add_argument("--score-tol", type=float, default=SCORE_TOL, help=f"score tolerance (default {SCORE_TOL})")
     p.add_argument("--time", type=int, default=0, metavar="N",
                    help="then time N runs of the eager model and of the file on the first test image (CPU)")
@@ -106,11 +106,11 @@ def test_images(size: Tuple[int, int], image_path: Optional[str]) -> List[torch.
 def format_timing(result: dict) -> str:
     """One line per run (median and CPU time per image) and the speed ratio."""
     h, w = result["image_size"]
-    lines = [f"{name}: median {r['median_s'] * 1e3:.1f} ms/image ({r['iters']} runs, CPU {r['cpu_median_s'] * 1e3:.1f} ms)"
-             for name, r in result["runs"].items()]
-    load = result["machine"].get("loadavg")
-    lines.append(f"eager / exported time: {result['ratio']:.2f} on one {h}x{w} image, "
-                 f"{result['machine']['torch_threads']} threads, load average {load}")
+    lines = [f"{name}: median {r['median_s'] * 1e3:.1f} ms/image ({r['iters']} runs, "
+             f"CPU {r['cpu_median_s'] * 1e3:.1f} ms)" for name, r in result["runs"].items()]
+    lines.append(f"eager / exported time: {result['ratio']:.2f} (CPU time {result['ratio_cpu_time']:.2f}) "
+                 f"on one {h}x{w} image, {result['machine']['torch_threads']} threads, "
+                 f"load average {result['machine'].get('loadavg')}")
     return "\n".join(lines)
 
 
@@ -128,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             output.parent.mkdir(parents=True, exist_ok=True)
             export_model(model, args.format, output, images[0], opset=args.opset)
             print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {args.format})")
-        print(f"parity check: boxes within {args.box_tol:g} px + {args.box_rtol:g} x |coordinate|, "
+        print(f"parity check: boxes within {args.box_tol:g} px + {args.box_rtol:g} x the longer image side, "
               f"scores within {args.score_tol:g}, same labels")
         reports = verify_export(model, args.format, output, images, args.box_tol, args.score_tol, args.box_rtol)
         for report in reports:
