@@ -188,6 +188,17 @@ def test_one_line_errors(model, images, tmp_path, monkeypatch):
         require_onnx()
 
 
+def test_tool_test_images_from_a_file(images, tmp_path):
+    """--image FILE: the image and its top-left 3/4 crop; a missing file is one line."""
+    from PIL import Image
+
+    Image.fromarray(images[1].permute(1, 2, 0).numpy()).save(tmp_path / "scene.png")
+    full, crop = TOOL.test_images((1, 1), str(tmp_path / "scene.png"))
+    assert torch.equal(full, images[1]) and torch.equal(crop, images[1][:, :72, :48])
+    with pytest.raises(FileNotFoundError, match="missing.png"):
+        TOOL.test_images((1, 1), str(tmp_path / "missing.png"))
+
+
 def test_tool_missing_weights_is_one_line(tmp_path, capsys):
     code = TOOL.main(["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(tmp_path / "none.pth"),
                       "--format", "onnx", "--output", str(tmp_path / "m.onnx")])
