@@ -12,8 +12,8 @@ image's pixels), scores [M] and labels [M] (1..K). Any image size works;
 give it images resized as in training (input.min_size_test/max_size_test).
 
 After writing, the file is run (TorchScript in torch, ONNX in onnxruntime) on two test
-images of different sizes (a generated shapes scene at --image-size, default
-input.min_size_test x input.max_size_test, and the transposed size; or
+images of different sizes (a generated shapes scene at --image-size H W, default
+input.min_size_test x input.max_size_test, and one of 3W/4 x 3H/4; or
 --image and its top-left 3/4 crop) and compared with the eager model: boxes within
 1e-3 px + 1e-5 x the longer image side (float32 noise of other kernels on large images),
 scores within 1e-4, the same labels. A mismatch exits with status 1.
@@ -83,8 +83,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def test_images(size: Tuple[int, int], image_path: Optional[str]) -> List[torch.Tensor]:
-    """Two uint8 [3, H, W] images of different sizes: image_path and its top-left
-    3/4 crop, or a generated shapes scene of size and one of the transposed size."""
+    """Two uint8 [3, H, W] images of different sizes: image_path and its top-left 3/4
+    crop, or generated shapes scenes of size (H, W) and (3W/4, 3H/4) (another aspect
+    ratio and area, so every level's anchor count differs)."""
     if image_path:
         image = torch.from_numpy(np.ascontiguousarray(load_image(image_path))).permute(2, 0, 1).contiguous()
         h, w = image.shape[1:]
@@ -92,7 +93,7 @@ def test_images(size: Tuple[int, int], image_path: Optional[str]) -> List[torch.
     h, w = size
     if h < 1 or w < 1:
         raise ValueError(f"--image-size must be positive, got {h} {w}")
-    second = (w, h) if h != w else (max(1, 3 * h // 4), w)
+    second = (max(1, 3 * w // 4), max(1, 3 * h // 4))
     images = []
     for i, (height, width) in enumerate((size, second)):
         side = min(max(height, width), 256)  # generate small, then resize: fast at any size

@@ -53,6 +53,10 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
+def _size(image: Tensor) -> str:
+    return "x".join(str(int(n)) for n in image.shape[-2:])
+
+
 def image_to_float(image: Tensor) -> Tensor:
     """uint8 0..255 -> float32 0..1; a float image (0..1) is only cast. The export wrapper
     scripts it, so that a traced graph keeps the branch and takes either dtype."""
@@ -160,8 +164,12 @@ def load_exported(fmt: str, path: str | os.PathLike, threads: int = 0) -> Callab
             raise ExportError(f"cannot load TorchScript file {path}: {_first_line(exc)}") from None
 
         def run_torchscript(image: Tensor) -> Detections:
-            with torch.no_grad():
-                boxes, scores, labels = module(image)
+            try:
+                with torch.no_grad():
+                    boxes, scores, labels = module(image)
+            except RuntimeError as exc:  # the interpreter's message ends with the failing op's error
+                lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+                raise ExportError(f"running {path} on a {_size(image)} image failed: {lines[-1].strip()}") from None
             return boxes, scores, labels
 
         return run_torchscript
@@ -179,7 +187,10 @@ def load_exported(fmt: str, path: str | os.PathLike, threads: int = 0) -> Callab
         raise ExportError(f"cannot load ONNX file {path}: {_first_line(exc)}") from None
 
     def run_onnx(image: Tensor) -> Detections:
-        boxes, scores, labels = session.run(None, {"image": image.cpu().numpy()})
+        try:
+            boxes, scores, labels = session.run(None, {"image": image.cpu().numpy()})
+        except Exception as exc:  # onnxruntime's own exception types (Fail, InvalidArgument, ...)
+            raise ExportError(f"running {path} on a {_size(image)} image failed: {_first_line(exc)}") from None
         return torch.from_numpy(boxes), torch.from_numpy(scores), torch.from_numpy(labels)
 
     return run_onnx

@@ -69,7 +69,7 @@ class MultiLevelRoIAlign(nn.Module):
         for level, (feat, scale) in enumerate(zip(features, self.scales)):
             idx = torch.where(levels == level)[0]
             pooled = roi_align(feat, rois[idx], self.output_size, scale, self.sampling_ratio, self.aligned)
-            out[idx] = pooled.to(out.dtype)
+            out.index_put_((idx,), pooled.to(out.dtype))  # not out[idx] = ...: traced, that bakes in len(idx) == 1
         return out
 
 

@@ -67,8 +67,8 @@ def top_count(available: int, k: int) -> int:
     """``min(k, available)``. While tracing for export ``available`` (a tensor size) is a
     0-dim tensor; the minimum then stays in the traced graph instead of becoming a
     constant of the example image's size."""
-    if torch.jit.is_tracing():
-        return torch.clamp(torch.as_tensor(available), max=k)  # type: ignore[return-value]
+    if torch.jit.is_tracing() and isinstance(available, Tensor):
+        return available.clamp(max=k)  # type: ignore[return-value]
     return min(k, available)
 
 
