@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,7 @@ def test_clip_boxes_equals_torchvision():
 
 
 def test_compare_detections_tolerances():
-    """Boxes within 1e-3 px + 1e-5 x the longer image side, scores within 1e-4, same
+    """Boxes within 1e-3 px + 2e-5 x the longer image side, scores within 1e-4, same
     labels, same count; the order of near-equal scores does not matter."""
     boxes = torch.tensor([[10.0, 20.0, 50.0, 60.0], [900.0, 100.0, 1300.0, 700.0]])
     scores, labels = torch.tensor([0.9, 0.8]), torch.tensor([1, 2])
@@ -86,10 +87,10 @@ def test_compare_detections_tolerances():
     def check(b, s=scores, lab=labels, size=(800, 1333)):
         return compare_detections(eager, (b, s, lab), size).ok
 
-    assert check(boxes + 0.0143)  # 1e-3 + 1e-5 * 1333 = 0.01433 px allowed
-    assert not check(boxes + 0.0144)
-    assert not check(boxes + torch.tensor([[2e-3, 0, 0, 0], [0, 0, 0, 0]]), size=(64, 96))  # 1.96e-3 allowed
-    assert check(boxes + torch.tensor([[1.9e-3, 0, 0, 0], [0, 0, 0, 0]]), size=(64, 96))
+    assert check(boxes + 0.0276)  # 1e-3 + 2e-5 * 1333 = 0.02766 px allowed
+    assert not check(boxes + 0.0277)
+    assert not check(boxes + torch.tensor([[3e-3, 0, 0, 0], [0, 0, 0, 0]]), size=(64, 96))  # 2.92e-3 allowed
+    assert check(boxes + torch.tensor([[2.9e-3, 0, 0, 0], [0, 0, 0, 0]]), size=(64, 96))
     assert not check(boxes, scores + torch.tensor([0.0, 2e-4]))
     assert not check(boxes, lab=torch.tensor([1, 3]))
     assert not check(boxes[:1], scores[:1], labels[:1])
@@ -108,7 +109,8 @@ def test_traced_roi_pooling_keeps_per_level_counts_dynamic():
     def pool(boxes):
         return pooler(features, [boxes])
 
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the deprecation of tracing, torchvision's shape asserts
         traced = torch.jit.trace(pool, (torch.tensor([small, large, small]),), check_trace=False)
         for boxes in ([small, small], [large, small, large, large], [large]):
             boxes = torch.tensor(boxes)

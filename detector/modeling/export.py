@@ -12,14 +12,14 @@ traced graph takes any image size and returns a variable number of detections.
 ``verify_export`` runs the file (TorchScript in torch, ONNX in onnxruntime) on test
 images and matches its detections against the eager model's: the same count, and each
 eager detection paired with an exported one of the same label whose coordinates differ
-by at most ``box_tol + box_rtol * max(H, W)`` pixels (1e-3 px + 1e-5 of the image's
-longer side: 1.96e-3 px at 96 px, 1.43e-2 px at 1333 px) and whose score differs by at
+by at most ``box_tol + box_rtol * max(H, W)`` pixels (1e-3 px + 2e-5 of the image's
+longer side: 2.9e-3 px at 96 px, 2.8e-2 px at 1333 px) and whose score differs by at
 most ``score_tol`` (1e-4).
 
 The relative term is float32 noise: ONNX Runtime's and PyTorch's convolution kernels
-round differently, and through a ResNet-50 the decoded boxes of an 800x1333 image differ
-by up to ~7e-3 px (the error of a decoded box grows with its size; measured with random
-weights, see docs/deploy.md). TorchScript runs PyTorch's own kernels and matches exactly.
+round differently, and through a ResNet-50 (random weights) the decoded boxes differ by
+up to 1.06e-5 of the image's longer side (1.06e-2 px on a 999x600 image; see
+docs/deploy.md). TorchScript runs PyTorch's own kernels and matches exactly.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .faster_rcnn import FasterRCNN
 FORMATS = ("torchscript", "onnx")
 INSTALL_HINT = "pip install -e \".[export]\""
 BOX_TOL = 1e-3  # pixels
-BOX_RTOL = 1e-5  # of the image's longer side (float32 noise of other kernels on large images)
+BOX_RTOL = 2e-5  # of the image's longer side (float32 noise of other kernels on large images)
 SCORE_TOL = 1e-4
 DEFAULT_OPSET = 17
 Detections = Tuple[Tensor, Tensor, Tensor]  # boxes [M, 4] float32, scores [M] float32, labels [M] int64
