@@ -196,6 +196,9 @@ def test_tool_exports_then_rejects_a_tampered_file(model, tmp_path, capsys):
 def test_one_line_errors(model, images, tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="--format must be one of torchscript, onnx"):
         export_model(model, "tflite", tmp_path / "m", images[0])
+    if HAS_ORT:
+        with pytest.raises(ExportError, match="--opset must be >= 11"):
+            export_model(model, "onnx", tmp_path / "m.onnx", images[0], opset=10)
     with pytest.raises(ExportError, match="exported file not found"):
         verify_export(model, "torchscript", tmp_path / "absent.pt", images)
     (tmp_path / "junk.pt").write_bytes(b"not a model")

@@ -135,6 +135,8 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
         require_onnx()
         if opset < 11:
             raise ExportError(f"--opset must be >= 11 (NMS and RoIAlign), got {opset}")
+        if model.roi_heads.box_roi_pool.aligned and opset < 16:  # older RoiAlign has no half-pixel mode
+            raise ExportError(f"roi_heads.aligned=true needs --opset >= 16, got {opset}")
         torch.onnx.export(
             wrapper, (example,), str(path), dynamo=False, opset_version=opset,
             input_names=["image"], output_names=["boxes", "scores", "labels"],
