@@ -237,6 +237,10 @@ class EvalConfig:
     backend: str = "pycocotools"  # pycocotools | faster
     images_per_gpu: int = 1
     voc_iou_thresh: float = 0.5
+    # VOC07 11-point AP recall levels: "exact" (0, 0.1, ..., 1 as k/10) or "numpy_arange"
+    # (np.arange(0, 1.1, 0.1), whose 0.30000000000000004, 0.6000000000000001 and
+    # 0.7000000000000001 py-faster-rcnn, detectron2 and mmdetection use; see docs/evaluation.md).
+    voc07_thresholds: str = "exact"
     # Score threshold for counting, precision/recall/F1 and the confusion matrix.
     score_thresh: float = 0.5
     compute_val_loss: bool = False
@@ -386,6 +390,7 @@ _CHOICES = {
     "solver.schedule": ("multistep", "cosine"),
     "train.amp.dtype": ("auto", "float16", "bfloat16"),
     "eval.backend": ("pycocotools", "faster"),
+    "eval.voc07_thresholds": ("exact", "numpy_arange"),
 }
 
 

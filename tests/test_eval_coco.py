@@ -89,7 +89,7 @@ def test_unknown_category_and_bad_bbox_are_named(case):
     gt, dets = case
     with pytest.raises(ValueError, match="category_id 99"):
         coco_evaluate(gt, [{"image_id": 100, "category_id": 99, "bbox": [0, 0, 5, 5], "score": 0.5}])
-    with pytest.raises(ValueError, match="result 0 has a bad bbox"):
+    with pytest.raises(ValueError, match=r"result 0: 'bbox' must be 4 numbers \[x, y, w, h\], got \[0, 0, 5\]"):
         coco_evaluate(gt, [{"image_id": 100, "category_id": 1, "bbox": [0, 0, 5], "score": 0.5}])
     with pytest.raises(ValueError, match="result 0 has no 'score'"):
         coco_evaluate(gt, [{"image_id": 100, "category_id": 1, "bbox": [0, 0, 5, 5]}])
@@ -99,5 +99,5 @@ def test_unknown_category_and_bad_bbox_are_named(case):
         coco_evaluate({"images": [], "annotations": []}, dets)
     orphan = copy.deepcopy(gt)
     orphan["annotations"][3]["image_id"] = 555
-    with pytest.raises(ValueError, match=r"annotations\[3\] has image_id 555, which is not in 'images'"):
+    with pytest.raises(ValueError, match=r"annotations\[3\]: image_id 555 is not in 'images'"):
         coco_evaluate(orphan, dets)

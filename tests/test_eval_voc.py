@@ -105,3 +105,79 @@ def test_crowd_box_is_ignored_like_difficult():
     dets = [det(1, 1, (0, 0, 10, 10), 0.5), det(1, 1, (50, 50, 90, 90), 0.9)]
     r = voc_evaluate(gt, dets)[1]
     assert r.num_gt == 1 and r.ap_area == 1.0
+
+
+# --------------------------------------------------------------------------- VOC07 recall levels
+
+# 10 objects (one per image), detections in decreasing score, T = on an object, F = a
+# false positive: recall reaches exactly 0.3, 0.6 and 0.7, and precision drops right after.
+FLAGS = "TTTFFTTTFTFF"
+
+
+def flag_case():
+    objects = [(i + 1, 1, (0, 0, 10, 10), False) for i in range(10)]
+    dets, tp = [], 0
+    for k, f in enumerate(FLAGS):
+        score = 1.0 - k / 100
+        if f == "T":
+            tp += 1
+            dets.append(det(tp, 1, (0, 0, 10, 10), score))
+        else:
+            dets.append(det(1, 1, (100, 100, 110, 110), score))
+    return gt_dict(objects, num_images=10, cats=(1,)), dets
+
+
+def numpy_arange_reference(rec, prec):
+    """py-faster-rcnn's / detectron2's voc_eval, 11-point branch, as they write it."""
+    ap = 0.0
+    for t in np.arange(0.0, 1.1, 0.1):
+        p = 0 if np.sum(rec >= t) == 0 else np.max(prec[rec >= t])
+        ap = ap + p / 11.0
+    return ap
+
+
+def exact_reference():
+    """The same rule in exact rational arithmetic, levels k/10."""
+    from fractions import Fraction
+
+    tp = fp = 0
+    points = []
+    for f in FLAGS:
+        tp, fp = tp + (f == "T"), fp + (f == "F")
+        points.append((Fraction(tp, 10), Fraction(tp, tp + fp)))
+    total = Fraction(0)
+    for k in range(11):
+        reached = [p for r, p in points if r >= Fraction(k, 10)]
+        total += max(reached) if reached else 0
+    return float(total / 11)
+
+
+def test_voc07_thresholds_numpy_arange_and_exact():
+    gt, dets = flag_case()
+    rec = np.cumsum([f == "T" for f in FLAGS]) / 10
+    prec = np.cumsum([f == "T" for f in FLAGS]) / np.arange(1, len(FLAGS) + 1)
+    assert set(rec[[2, 7, 9]].tolist()) == {0.3, 0.6, 0.7}  # exactly 3/10, 6/10, 7/10
+    peers, exact = numpy_arange_reference(rec, prec), exact_reference()
+    assert abs(peers - exact) > 0.05  # the three levels matter on this curve
+
+    arange = voc_evaluate(gt, dets, voc07_thresholds="numpy_arange")[1]
+    np.testing.assert_array_equal(arange.recall, rec)
+    np.testing.assert_array_equal(arange.precision, prec)
+    assert arange.ap_voc07 == peers  # bit for bit
+    assert ap_voc07(rec, prec, "numpy_arange") == peers
+
+    default = voc_evaluate(gt, dets)[1]
+    assert default.ap_voc07 == pytest.approx(exact, rel=1e-15)
+    assert ap_voc07(rec, prec) == pytest.approx(exact, rel=1e-15)
+    assert default.ap_area == arange.ap_area  # the area rule has no levels
+
+
+def test_voc07_thresholds_key_is_checked():
+    from detector.config import ConfigError, load_config
+
+    assert load_config(None).eval.voc07_thresholds == "exact"
+    assert load_config(None, ["eval.voc07_thresholds=numpy_arange"]).eval.voc07_thresholds == "numpy_arange"
+    with pytest.raises(ConfigError, match="eval.voc07_thresholds"):
+        load_config(None, ["eval.voc07_thresholds=arange"])
+    with pytest.raises(ValueError, match="voc07_thresholds"):
+        ap_voc07(np.ones(1), np.ones(1), "arange")

@@ -85,6 +85,7 @@ def score_file(args: argparse.Namespace) -> int:
         backend=cfg.eval.backend,
         voc_iou_thresh=cfg.eval.voc_iou_thresh,
         score_thresh=cfg.eval.score_thresh,
+        voc07_thresholds=cfg.eval.voc07_thresholds,
     )
     print(format_table(report.metrics, report.per_class))
     if args.output_dir:

@@ -12,6 +12,11 @@ usual names, the per-class AP, and the precision array for curves. The third-par
 libraries print progress to stdout; that output is captured and sent to the debug log,
 so a run's console shows our table only.
 
+Detections are scored one group of categories at a time (at most
+``CHUNK_DETECTIONS`` detections per group, whole categories): COCO's matching and
+accumulation are per category, so the merged precision and recall arrays, and the
+twelve numbers, are the ones a single pass gives, with a fraction of the memory.
+
 Semantics follow pycocotools exactly: ``-1`` means "no ground truth in that range"
 (e.g. APs when no object is small), crowd boxes (``iscrowd: 1``) are ignored regions,
 the ``ignore`` field of an annotation is overridden by ``iscrowd``.
@@ -20,22 +25,29 @@ the ``ignore`` field of an annotation is overridden by ``iscrowd``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .results import (  # noqa: F401  (UnknownImageError: part of this module's API)
+    Detections,
+    UnknownImageError,
+    as_detections,
+    check_detection_ids,
+    check_ground_truth,
+)
+
 logger = logging.getLogger(__name__)
 
 COCO_METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 BACKENDS = ("pycocotools", "faster")
-
-
-class UnknownImageError(ValueError):
-    """A detection names an image id that the ground truth does not have."""
+# Detections per COCOeval pass. The COCO libraries hold ~1.4 KB of Python objects per
+# detection; 250k keeps a pass near 350 MB.
+CHUNK_DETECTIONS = 250_000
 
 
 @dataclass
@@ -79,57 +91,6 @@ def _backend_classes(backend: str):
     raise ValueError(f"eval.backend must be one of {BACKENDS}; got {backend!r}")
 
 
-def check_ground_truth(gt: Dict[str, Any], source: str = "ground truth") -> None:
-    """Raise ValueError naming the first missing section or field of a COCO gt dict."""
-    if not isinstance(gt, dict):
-        raise ValueError(f"{source}: expected a COCO dict with 'images', 'annotations', 'categories'; got {type(gt).__name__}")
-    for key in ("images", "annotations", "categories"):
-        if key not in gt:
-            raise ValueError(f"{source}: missing the '{key}' section")
-    image_ids = {img["id"] for img in gt["images"]}
-    cat_ids = {cat["id"] for cat in gt["categories"]}
-    for i, ann in enumerate(gt["annotations"]):
-        for key in ("image_id", "category_id", "bbox"):
-            if key not in ann:
-                raise ValueError(f"{source}: annotations[{i}] has no '{key}'")
-        if len(ann["bbox"]) != 4:
-            raise ValueError(f"{source}: annotations[{i}].bbox must be [x, y, w, h]; got {ann['bbox']!r}")
-        if ann["image_id"] not in image_ids:
-            raise ValueError(f"{source}: annotations[{i}] has image_id {ann['image_id']!r}, which is not in 'images'")
-        if ann["category_id"] not in cat_ids:
-            raise ValueError(f"{source}: annotations[{i}] has category_id {ann['category_id']!r}, which is not in 'categories'")
-
-
-def check_results(results: Sequence[Dict[str, Any]], gt: Dict[str, Any], source: str = "detections") -> None:
-    """Check that every result is well formed and names a ground-truth image and class.
-
-    Raises:
-        UnknownImageError: a result's ``image_id`` is not among the gt images (named).
-        ValueError: a missing field, a bad bbox, or an unknown ``category_id`` (named).
-    """
-    image_ids = {img["id"] for img in gt["images"]}
-    cat_ids = {cat["id"] for cat in gt["categories"]}
-    for i, res in enumerate(results):
-        if not isinstance(res, dict):
-            raise ValueError(f"{source}: result {i} is not an object: {res!r}")
-        for key in ("image_id", "category_id", "bbox", "score"):
-            if key not in res:
-                raise ValueError(f"{source}: result {i} has no '{key}'")
-        if res["image_id"] not in image_ids:
-            raise UnknownImageError(
-                f"{source}: result {i} has image_id {res['image_id']!r}, which is not in the ground truth "
-                f"({len(image_ids)} images)"
-            )
-        if res["category_id"] not in cat_ids:
-            raise ValueError(
-                f"{source}: result {i} has category_id {res['category_id']!r}, which is not in the ground-truth "
-                f"categories {sorted(cat_ids)}"
-            )
-        bbox = res["bbox"]
-        if len(bbox) != 4 or not all(math.isfinite(v) for v in bbox):
-            raise ValueError(f"{source}: result {i} has a bad bbox {bbox!r} (need 4 finite numbers [x, y, w, h])")
-
-
 def _gt_copy(gt: Dict[str, Any]) -> Dict[str, Any]:
     """A copy the COCO libraries may mutate (they write ``ignore`` into annotations),
     with ``area``, ``iscrowd`` and ``id`` filled where missing."""
@@ -156,18 +117,45 @@ def build_coco(gt: Dict[str, Any], backend: str = "pycocotools"):
     return coco
 
 
-def _empty_results(coco_gt, backend: str):
-    """A results object with no detections (pycocotools' ``loadRes([])`` crashes)."""
+def _results_coco(coco_gt, dets: Detections, ids: np.ndarray, backend: str):
+    """A results ``COCO`` object holding ``dets``: what ``coco_gt.loadRes`` builds for
+    boxes (``area = w * h``, ``iscrowd = 0``, ``id``: ``ids``, the 1-based positions in
+    the whole results list), made directly from the arrays. (pycocotools'
+    ``loadRes([])`` crashes; this does not.)"""
     COCO, _ = _backend_classes(backend)
+    area = (dets.bbox[:, 2] * dets.bbox[:, 3]).tolist()
+    anns = [
+        {"image_id": i, "category_id": c, "bbox": b, "score": s, "area": a, "id": k, "iscrowd": 0}
+        for i, c, b, s, a, k in zip(
+            dets.image_id.tolist(), dets.category_id.tolist(), dets.bbox.tolist(), dets.score.tolist(), area,
+            ids.tolist(),
+        )
+    ]
     dt = COCO()
     dt.dataset = {
         "images": list(coco_gt.dataset["images"]),
-        "categories": list(coco_gt.dataset["categories"]),
-        "annotations": [],
+        "categories": copy.deepcopy(coco_gt.dataset["categories"]),
+        "annotations": anns,
     }
     with contextlib.redirect_stdout(io.StringIO()):
         dt.createIndex()
     return dt
+
+
+def category_chunks(category_id: np.ndarray, cat_ids: Sequence[int], limit: int = CHUNK_DETECTIONS) -> List[List[int]]:
+    """``cat_ids`` (sorted) cut into consecutive groups of at most ``limit`` detections
+    (a category with more forms a group of its own)."""
+    counts = dict(zip(*np.unique(category_id, return_counts=True)))
+    chunks: List[List[int]] = [[]]
+    total = 0
+    for c in cat_ids:
+        n = int(counts.get(c, 0))
+        if chunks[-1] and total + n > limit:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(int(c))
+        total += n
+    return chunks
 
 
 def _mean_valid(values: np.ndarray) -> float:
@@ -175,42 +163,78 @@ def _mean_valid(values: np.ndarray) -> float:
     return float(np.mean(valid)) if valid.size else -1.0
 
 
+def _run_cocoeval(coco_gt, dets: Detections, ids: np.ndarray, cat_ids: List[int], backend: str):
+    """One ``COCOeval`` pass (evaluate + accumulate) restricted to ``cat_ids``."""
+    _, COCOeval = _backend_classes(backend)
+    coco_dt = _results_coco(coco_gt, dets, ids, backend)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        if backend == "faster":
+            evaluator = COCOeval(coco_gt, coco_dt, "bbox", print_function=logger.debug)
+        else:
+            evaluator = COCOeval(coco_gt, coco_dt, "bbox")
+        evaluator.params.catIds = list(cat_ids)
+        evaluator.evaluate()
+        evaluator.accumulate()
+    if log.getvalue():
+        logger.debug("%s output:\n%s", backend, log.getvalue().rstrip())
+    evaluator.eval.pop("matched", None)  # faster-coco-eval's per-match dict: not needed
+    return evaluator
+
+
+def _merge_evals(evals: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Concatenate per-category-group ``COCOeval.eval`` dicts along the category axis."""
+    if len(evals) == 1:
+        return evals[0]
+    out = dict(evals[-1])
+    out["precision"] = np.concatenate([e["precision"] for e in evals], axis=2)
+    out["scores"] = np.concatenate([e["scores"] for e in evals], axis=2)
+    out["recall"] = np.concatenate([e["recall"] for e in evals], axis=1)
+    out["counts"] = list(out["precision"].shape)
+    return out
+
+
 def coco_evaluate(
     gt: Dict[str, Any],
-    results: Sequence[Dict[str, Any]],
+    results: Any,
     backend: str = "pycocotools",
     check: bool = True,
+    chunk_detections: int = CHUNK_DETECTIONS,
 ) -> CocoEvalResult:
     """Run ``COCOeval`` on boxes and return the 12 numbers and per-class AP.
 
     Args:
         gt: COCO-format ground-truth dict (not mutated).
-        results: COCO results list, bbox ``[x, y, w, h]`` in original pixels (not mutated).
+        results: COCO results list, bbox ``[x, y, w, h]`` in original pixels, or
+            :class:`Detections` (not mutated).
         backend: ``"pycocotools"`` or ``"faster"`` (faster-coco-eval).
-        check: validate ``results`` against ``gt`` first (see :func:`check_results`).
+        check: check ``results`` against ``gt`` first (fields, and ids that ``gt``
+            has; see :mod:`detector.evaluation.results`).
+        chunk_detections: detections per ``COCOeval`` pass (whole categories).
 
     Returns:
         CocoEvalResult. Empty ``results`` give AP/AR 0 (or -1 where there is no ground
         truth) instead of pycocotools' crash.
     """
-    _, COCOeval = _backend_classes(backend)
-    check_ground_truth(gt)
+    _backend_classes(backend)
+    image_ids, gt_cat_ids = check_ground_truth(gt)
+    dets = as_detections(results)
     if check:
-        check_results(results, gt)
+        check_detection_ids(dets, image_ids, gt_cat_ids)
     coco_gt = build_coco(gt, backend)
+    cat_ids = sorted(int(c) for c in coco_gt.getCatIds())
+    evals, evaluator = [], None
+    for chunk in category_chunks(dets.category_id, cat_ids, chunk_detections):
+        index = np.flatnonzero(np.isin(dets.category_id, chunk))  # file order kept: the same ties
+        part = dets.take(index)
+        evaluator = _run_cocoeval(coco_gt, part, index + 1, chunk, backend)
+        evals.append(evaluator.eval)
+        del part
+    assert evaluator is not None
+    evaluator.eval = _merge_evals(evals)
+    evaluator.params.catIds = cat_ids
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        if len(results) == 0:
-            coco_dt = _empty_results(coco_gt, backend)
-        else:
-            # Shallow copies: loadRes adds 'area', 'id', 'segmentation' to each result.
-            coco_dt = coco_gt.loadRes([dict(r) for r in results])
-        if backend == "faster":
-            evaluator = COCOeval(coco_gt, coco_dt, "bbox", print_function=logger.debug)
-        else:
-            evaluator = COCOeval(coco_gt, coco_dt, "bbox")
-        evaluator.evaluate()
-        evaluator.accumulate()
         evaluator.summarize()
     if log.getvalue():
         logger.debug("%s output:\n%s", backend, log.getvalue().rstrip())
@@ -218,7 +242,6 @@ def coco_evaluate(
     stats = [float(v) for v in np.asarray(evaluator.stats)[: len(COCO_METRIC_NAMES)]]
     metrics = dict(zip(COCO_METRIC_NAMES, stats))
     precision = np.asarray(evaluator.eval["precision"])
-    cat_ids = [int(c) for c in evaluator.params.catIds]
     iou_thrs = np.asarray(evaluator.params.iouThrs)
     i50 = int(np.argmin(np.abs(iou_thrs - 0.5)))
     per_class_ap = {}

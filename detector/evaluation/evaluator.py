@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import amp_dtype as resolve_amp_dtype
 from ..distributed import all_gather_object, get_rank, get_world_size
-from .inference import LOSS_NAMES, array_to_results, compute_val_loss, run_inference
+from .inference import LOSS_NAMES, array_to_detections, compute_val_loss, run_inference
 from .scoring import format_table, score_detections, write_outputs
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def evaluate(
     detections = np.concatenate([g[0] for g in gathered])
     keys = np.array([position[int(i)] for i in detections[:, 0]], dtype=np.int64)
     detections = detections[np.argsort(keys, kind="stable")]  # stable: each image keeps its order
-    results = array_to_results(detections)
+    results = array_to_detections(detections)
 
     report = score_detections(
         dataset.coco_gt(),
@@ -84,6 +84,7 @@ def evaluate(
         backend=cfg.eval.backend,
         voc_iou_thresh=cfg.eval.voc_iou_thresh,
         score_thresh=cfg.eval.score_thresh,
+        voc07_thresholds=cfg.eval.voc07_thresholds,
     )
     metrics = dict(report.metrics)
     if cfg.eval.compute_val_loss:

@@ -19,6 +19,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from tqdm import tqdm
 
+from .results import Detections
+
 logger = logging.getLogger(__name__)
 
 LOSS_NAMES = ("loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box")
@@ -107,6 +109,12 @@ def detections_to_array(
     rows[:, 4:6] = b[:, 2:] - b[:, :2]
     rows[:, 6] = scores.detach().double().cpu().numpy()
     return rows
+
+
+def array_to_detections(detections: np.ndarray) -> Detections:
+    """Rows of :data:`DET_COLUMNS` -> :class:`~detector.evaluation.results.Detections`."""
+    d = np.asarray(detections, dtype=np.float64).reshape(-1, DET_COLUMNS)
+    return Detections(d[:, 0].astype(np.int64), d[:, 1].astype(np.int64), d[:, 2:6].copy(), d[:, 6].copy())
 
 
 def array_to_results(detections: np.ndarray) -> List[Dict[str, Any]]:

@@ -78,7 +78,11 @@ def greedy_match(
     taken = np.zeros(n, dtype=bool)
     d2g = np.full(m, UNMATCHED, dtype=np.int64)
     d_iou = np.zeros(m, dtype=np.float64)
-    for i in torch.argsort(det_scores.cpu(), descending=True, stable=True).tolist():
+    order = torch.argsort(det_scores.cpu(), descending=True, stable=True).numpy()
+    # A detection with no usable IoU >= iou_thresh can never match (taking boxes only
+    # lowers a row): the loop visits the others only, in the same order.
+    reachable = usable.max(axis=1) >= iou_thresh
+    for i in order[reachable[order]].tolist():
         row = np.where(taken, -1.0, usable[i])
         j = int(row.argmax())
         if row[j] >= iou_thresh:
@@ -192,18 +196,22 @@ def confusion_matrix(
         ``[g, p]`` a box of class g detected as p; ``[g, 0]`` a missed box of class g;
         ``[0, p]`` a detection of class p on background (false positive).
     """
-    index = {int(c): i + 1 for i, c in enumerate(cat_ids)}
+    ids = np.asarray([int(c) for c in cat_ids], dtype=np.int64)
+    by_id = np.argsort(ids)
     k = len(cat_ids)
     matrix = np.zeros((k + 1, k + 1), dtype=np.int64)
+
+    def index(labels: torch.Tensor) -> np.ndarray:  # category id -> row/column (1..K)
+        return by_id[np.searchsorted(ids[by_id], labels.numpy())] + 1
+
     for rec in records:
         db, ds, dl, gb, gl, gi = _tensors(rec, score_thresh)
         res = greedy_match(db, ds, dl, gb, gl, iou_thresh, gi, class_aware=False)
-        for d, g in enumerate(res.det_to_gt.tolist()):
-            if g >= 0:
-                matrix[index[int(gl[g])], index[int(dl[d])]] += 1
-            elif g == UNMATCHED:
-                matrix[0, index[int(dl[d])]] += 1
-        for g in range(gb.shape[0]):
-            if not res.gt_matched[g] and not gi[g]:
-                matrix[index[int(gl[g])], 0] += 1
+        d2g = res.det_to_gt.numpy()
+        det_idx, gt_idx = index(dl), index(gl)
+        hit = d2g >= 0
+        np.add.at(matrix, (gt_idx[d2g[hit]], det_idx[hit]), 1)
+        np.add.at(matrix, (0, det_idx[d2g == UNMATCHED]), 1)
+        missed = ~res.gt_matched.numpy() & ~gi.numpy().astype(bool)
+        np.add.at(matrix, (gt_idx[missed], 0), 1)
     return matrix

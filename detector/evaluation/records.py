@@ -11,6 +11,8 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
+from .results import Detections, as_detections
+
 
 @dataclass
 class ImageRecord:
@@ -45,24 +47,39 @@ def is_ignored(ann: Dict[str, Any]) -> bool:
     return bool(ann.get("iscrowd", 0)) or bool(ann.get("difficult", 0)) or bool(ann.get("ignore", 0))
 
 
-def group_by_image(gt: Dict[str, Any], results: Sequence[Dict[str, Any]]) -> Dict[int, ImageRecord]:
+def _split_by_image(image_of: np.ndarray, image_ids: np.ndarray) -> List[np.ndarray]:
+    """For each id of ``image_ids``, the indices ``i`` with ``image_of[i] == id``, in
+    increasing order (so each image keeps the input's order)."""
+    order = np.argsort(image_of, kind="stable")
+    sorted_ids = image_of[order]
+    lo = np.searchsorted(sorted_ids, image_ids, side="left")
+    hi = np.searchsorted(sorted_ids, image_ids, side="right")
+    return [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+
+
+def group_by_image(gt: Dict[str, Any], results: Any) -> Dict[int, ImageRecord]:
     """One :class:`ImageRecord` per ground-truth image (images without objects or
-    detections included), keyed by image id, in the order of ``gt["images"]``."""
-    gt_lists: Dict[int, List[Dict[str, Any]]] = {img["id"]: [] for img in gt["images"]}
-    dt_lists: Dict[int, List[Dict[str, Any]]] = {img["id"]: [] for img in gt["images"]}
-    for ann in gt["annotations"]:
-        gt_lists[ann["image_id"]].append(ann)
-    for res in results:
-        dt_lists[res["image_id"]].append(res)
+    detections included), keyed by image id, in the order of ``gt["images"]``.
+
+    ``results``: a COCO results list or :class:`Detections`. Detections of an image
+    keep their input order."""
+    dets: Detections = as_detections(results)
+    image_ids = np.array([img["id"] for img in gt["images"]], dtype=np.int64)
+    anns = gt["annotations"]
+    ann_img = np.array([a["image_id"] for a in anns], dtype=np.int64)
+    ann_box = xywh_to_xyxy(np.array([a["bbox"] for a in anns], dtype=np.float64).reshape(-1, 4))
+    ann_cat = np.array([a["category_id"] for a in anns], dtype=np.int64)
+    ann_ignore = np.array([is_ignored(a) for a in anns], dtype=bool)
+    det_box = xywh_to_xyxy(dets.bbox)
     records = {}
-    for image_id, anns in gt_lists.items():
-        dets = dt_lists[image_id]
+    for image_id, g, d in zip(image_ids.tolist(), _split_by_image(ann_img, image_ids),
+                              _split_by_image(dets.image_id, image_ids)):
         records[image_id] = ImageRecord(
-            gt_boxes=xywh_to_xyxy(np.array([a["bbox"] for a in anns], dtype=np.float64).reshape(-1, 4)),
-            gt_cats=np.array([a["category_id"] for a in anns], dtype=np.int64),
-            gt_ignore=np.array([is_ignored(a) for a in anns], dtype=bool),
-            dt_boxes=xywh_to_xyxy(np.array([d["bbox"] for d in dets], dtype=np.float64).reshape(-1, 4)),
-            dt_scores=np.array([d["score"] for d in dets], dtype=np.float64),
-            dt_cats=np.array([d["category_id"] for d in dets], dtype=np.int64),
+            gt_boxes=ann_box[g],
+            gt_cats=ann_cat[g],
+            gt_ignore=ann_ignore[g],
+            dt_boxes=det_box[d],
+            dt_scores=dets.score[d],
+            dt_cats=dets.category_id[d],
         )
     return records

@@ -18,11 +18,22 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .coco import COCO_METRIC_NAMES, check_ground_truth, check_results, coco_evaluate
+from .coco import COCO_METRIC_NAMES, coco_evaluate
 from .iou import confusion_matrix, iou_metrics
 from .plots import plot_confusion_matrix, plot_pr_curves
 from .records import group_by_image
-from .voc import VOCClassResult, mean_ap, voc_evaluate_records
+from .results import (
+    Detections,
+    ResultsError,
+    as_detections,
+    check_detection_ids,
+    check_ground_truth,
+    detections_from_records,
+    read_json_text,
+    read_results_file,
+    write_results_file,
+)
+from .voc import VOCClassResult, mean_ap, voc_evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +63,11 @@ class ScoreReport:
 
 def score_detections(
     gt: Dict[str, Any],
-    results: Sequence[Dict[str, Any]],
+    results: Any,
     backend: str = "pycocotools",
     voc_iou_thresh: float = 0.5,
     score_thresh: float = 0.5,
+    voc07_thresholds: str = "exact",
 ) -> ScoreReport:
     """COCO, VOC and IoU metrics of COCO-format ``results`` against a COCO-format ``gt``.
 
@@ -63,32 +75,37 @@ def score_detections(
         gt: ground truth in original coordinates (``difficult``/``ignore`` flags used by
             the VOC and IoU metrics; COCO metrics follow pycocotools, which only ignores
             ``iscrowd``).
-        results: COCO results list (image and category ids of ``gt``).
+        results: COCO results list (image and category ids of ``gt``), or
+            :class:`~detector.evaluation.results.Detections`.
         backend: COCO backend, ``pycocotools`` or ``faster``.
         voc_iou_thresh: IoU threshold of VOC AP.
         score_thresh: detections below it are left out of the IoU metrics and the
             confusion matrix (all detections count for AP).
+        voc07_thresholds: recall levels of the VOC07 11-point AP, ``exact`` or
+            ``numpy_arange`` (the peers'; see :func:`detector.evaluation.voc.voc07_recall_levels`).
 
     Raises:
-        ValueError: malformed gt or results; ``UnknownImageError`` (a ValueError) for
-            a result whose image id the ground truth lacks.
+        ResultsError (a ValueError): a malformed gt or results record, named by index
+            and field; ``UnknownImageError`` for a result whose image id the ground
+            truth lacks.
     """
-    check_ground_truth(gt)
-    check_results(results, gt)
-    coco = coco_evaluate(gt, results, backend=backend, check=False)
+    image_ids, gt_cat_ids = check_ground_truth(gt)
+    dets = as_detections(results)
+    check_detection_ids(dets, image_ids, gt_cat_ids)
+    coco = coco_evaluate(gt, dets, backend=backend, check=False)
     cats = sorted(gt["categories"], key=lambda c: c["id"])
     cat_ids = [int(c["id"]) for c in cats]
     names = [str(c.get("name", c["id"])) for c in cats]
-    records = group_by_image(gt, results)
-    voc = voc_evaluate_records(records, cat_ids, voc_iou_thresh)
+    voc = voc_evaluate(gt, dets, voc_iou_thresh, voc07_thresholds)
+    records = group_by_image(gt, dets)
     metrics: Dict[str, float] = dict(coco.metrics)
     metrics["mAP_voc07"] = mean_ap(voc, "voc07")
     metrics["mAP_voc_area"] = mean_ap(voc, "area")
     metrics.update(iou_metrics(records.values(), score_thresh=score_thresh))
     confusion = confusion_matrix(records.values(), cat_ids, score_thresh=score_thresh, iou_thresh=0.5)
+    ids, counts = np.unique(dets.category_id, return_counts=True)
     num_det = {c: 0 for c in cat_ids}
-    for r in results:
-        num_det[r["category_id"]] += 1
+    num_det.update(zip(ids.tolist(), counts.tolist()))
     per_class = []
     for cat, name in zip(cat_ids, names):
         per_class.append(
@@ -132,19 +149,20 @@ def write_json(path: str | Path, data: Any) -> Path:
 
 def write_outputs(
     report: ScoreReport,
-    results: Sequence[Dict[str, Any]],
+    results: Any,
     output_dir: str | Path,
     extra_metrics: Optional[Dict[str, float]] = None,
 ) -> Dict[str, Path]:
     """Write ``metrics.json`` (the flat metrics dict), ``detections.json`` (COCO
-    results), ``per_class.csv``, ``pr_curves.png`` and ``confusion_matrix.png``."""
+    results; ``results`` a list or Detections), ``per_class.csv``, ``pr_curves.png``
+    and ``confusion_matrix.png``."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics = dict(report.metrics)
     metrics.update(extra_metrics or {})
     paths = {
         "metrics": write_json(out / "metrics.json", metrics),
-        "detections": write_json(out / "detections.json", list(results)),
+        "detections": write_results_file(out / "detections.json", as_detections(results)),
     }
     csv_path = out / "per_class.csv"
     with csv_path.open("w", newline="") as f:
@@ -211,37 +229,39 @@ def format_table(metrics: Dict[str, float], per_class: Sequence[Dict[str, Any]] 
 
 
 def load_json_file(path: str | Path, what: str) -> Any:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} file not found: {path}")
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_json_text(path, what))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        raise ResultsError(f"{path}: not valid JSON ({exc})") from None
 
 
 def load_ground_truth(path: str | Path) -> Dict[str, Any]:
-    """A COCO-format ground-truth JSON file, checked (errors name the file)."""
+    """A COCO-format ground-truth JSON file, checked (errors name the file, the
+    section, the index and the field)."""
     gt = load_json_file(path, "annotations")
     check_ground_truth(gt, source=str(path))
     return gt
 
 
-def load_predictions(path: str | Path, gt: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Detections from a JSON file, as a COCO results list with ``gt``'s ids.
+def load_predictions(path: str | Path, gt: Dict[str, Any]) -> Detections:
+    """Detections from a JSON file, checked against ``gt`` (every record: see
+    :mod:`detector.evaluation.results`), as arrays read in one pass.
 
     Accepted forms: a COCO results list (ids must be ``gt``'s), or a COCO-format dict
     whose ``annotations`` carry a ``score``; its ``images`` (by ``file_name``) and
     ``categories`` (by ``name``), when present, map its own ids onto ``gt``'s.
 
     Raises:
-        ValueError: a form not understood, or a file/category name ``gt`` lacks (named).
+        ResultsError (a ValueError): a form not understood, a bad record (index and
+        field), or a file/category name ``gt`` lacks (named).
     """
-    data = load_json_file(path, "predictions")
-    if isinstance(data, list):
+    image_ids, cat_ids = check_ground_truth(gt)
+    data = read_results_file(path)
+    if isinstance(data, Detections):
+        check_detection_ids(data, image_ids, cat_ids, source=str(path))
         return data
     if not isinstance(data, dict) or "annotations" not in data:
-        raise ValueError(f"{path}: expected a list of COCO results or a dict with 'annotations'")
+        raise ResultsError(f"{path}: expected a list of COCO results or a dict with 'annotations'")
     image_map: Optional[Dict[Any, Any]] = None
     cat_map: Optional[Dict[Any, Any]] = None
     if data.get("images") and all("file_name" in img for img in data["images"]):
@@ -250,27 +270,31 @@ def load_predictions(path: str | Path, gt: Dict[str, Any]) -> List[Dict[str, Any
         for img in data["images"]:
             name = Path(img["file_name"]).name
             if name not in gt_by_name:
-                raise ValueError(f"{path}: image {img['id']!r} ({name}) is not in the ground truth")
-            image_map[img["id"]] = gt_by_name[name]
+                raise ResultsError(f"{path}: image {img.get('id')!r} ({name}) is not in the ground truth")
+            image_map[img.get("id")] = gt_by_name[name]
     if data.get("categories") and all("name" in c for c in data["categories"]):
         gt_cats = {c["name"]: c["id"] for c in gt["categories"]}
         cat_map = {}
         for cat in data["categories"]:
             if cat["name"] not in gt_cats:
-                raise ValueError(f"{path}: category {cat['name']!r} is not in the ground-truth categories")
-            cat_map[cat["id"]] = gt_cats[cat["name"]]
+                raise ResultsError(f"{path}: category {cat['name']!r} is not in the ground-truth categories")
+            cat_map[cat.get("id")] = gt_cats[cat["name"]]
     results = []
     for i, ann in enumerate(data["annotations"]):
+        if not isinstance(ann, dict):
+            raise ResultsError(f"{path}: annotations[{i}] is not an object")
         if "score" not in ann:
-            raise ValueError(f"{path}: annotations[{i}] has no 'score' (is this a ground-truth file?)")
-        res = {"image_id": ann.get("image_id"), "category_id": ann.get("category_id"), "bbox": ann.get("bbox"), "score": ann["score"]}
+            raise ResultsError(f"{path}: annotations[{i}] has no 'score' (is this a ground-truth file?)")
+        res = {k: ann[k] for k in ("image_id", "category_id", "bbox", "score") if k in ann}
         if image_map is not None:
-            if res["image_id"] not in image_map:
-                raise ValueError(f"{path}: annotations[{i}] has image_id {res['image_id']!r}, not in its 'images'")
-            res["image_id"] = image_map[res["image_id"]]
+            if ann.get("image_id") not in image_map:
+                raise ResultsError(f"{path}: annotations[{i}] has image_id {ann.get('image_id')!r}, not in its 'images'")
+            res["image_id"] = image_map[ann["image_id"]]
         if cat_map is not None:
-            if res["category_id"] not in cat_map:
-                raise ValueError(f"{path}: annotations[{i}] has category_id {res['category_id']!r}, not in its 'categories'")
-            res["category_id"] = cat_map[res["category_id"]]
+            if ann.get("category_id") not in cat_map:
+                raise ResultsError(f"{path}: annotations[{i}] has category_id {ann.get('category_id')!r}, not in its 'categories'")
+            res["category_id"] = cat_map[ann["category_id"]]
         results.append(res)
-    return results
+    dets = detections_from_records(results, source=f"{path}: annotations")
+    check_detection_ids(dets, image_ids, cat_ids, source=f"{path}: annotations")
+    return dets

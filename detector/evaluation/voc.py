@@ -19,12 +19,14 @@ no "+1" pixel convention.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
-from .records import ImageRecord, group_by_image
+from .records import ImageRecord, is_ignored, xywh_to_xyxy
+from .results import as_detections
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +44,47 @@ class VOCClassResult:
     num_tp: int
 
 
-def ap_voc07(recall: np.ndarray, precision: np.ndarray) -> float:
-    """VOC2007 11-point AP: mean over t in {0, 0.1, ..., 1} of max(precision[recall >= t])."""
+VOC07_THRESHOLDS = ("exact", "numpy_arange")
+
+
+def voc07_recall_levels(thresholds: str = "exact") -> np.ndarray:
+    """The 11 recall levels of the VOC2007 rule.
+
+    ``"exact"``: ``k / 10`` for k = 0..10, each the double nearest to the decimal, so a
+    recall of exactly 3/10 (``tp / npos``, the same double) reaches level 0.3.
+    ``"numpy_arange"``: ``np.arange(0, 1.1, 0.1)``, the levels of py-faster-rcnn's,
+    detectron2's and mmdetection's ``voc_eval``, three of which lie just above their
+    decimal (0.30000000000000004, 0.6000000000000001, 0.7000000000000001): there a
+    recall of exactly 0.3, 0.6 or 0.7 does not reach the level.
+    """
+    if thresholds == "exact":
+        return np.arange(11) / 10.0
+    if thresholds == "numpy_arange":
+        return np.arange(0.0, 1.1, 0.1)
+    raise ValueError(f"eval.voc07_thresholds must be one of {', '.join(VOC07_THRESHOLDS)}; got {thresholds!r}")
+
+
+def ap_voc07(recall: np.ndarray, precision: np.ndarray, thresholds: str = "exact") -> float:
+    """VOC2007 11-point AP: mean over the recall levels t (see :func:`voc07_recall_levels`)
+    of max(precision[recall >= t]), 0 where no recall reaches t.
+
+    ``"exact"`` sums the 11 values exactly (``math.fsum``) and divides once, so a
+    perfect detector scores 1.0; ``"numpy_arange"`` also adds up as the peers'
+    ``voc_eval`` does (``ap = ap + p / 11``: 1.0000000000000002 for a perfect
+    detector), so its value is theirs to the last bit.
+    """
     recall = np.asarray(recall, dtype=np.float64)
     precision = np.asarray(precision, dtype=np.float64)
-    total = 0.0
-    for t in np.linspace(0.0, 1.0, 11):
-        mask = recall >= t - 1e-12
-        total += float(precision[mask].max()) if mask.any() else 0.0
-    return total / 11.0
+    values = []
+    for t in voc07_recall_levels(thresholds):
+        mask = recall >= t
+        values.append(float(precision[mask].max()) if mask.any() else 0.0)
+    if thresholds == "exact":
+        return math.fsum(values) / 11.0
+    ap = 0.0
+    for p in values:
+        ap = ap + p / 11.0
+    return ap
 
 
 def ap_area(recall: np.ndarray, precision: np.ndarray) -> float:
@@ -62,78 +96,119 @@ def ap_area(recall: np.ndarray, precision: np.ndarray) -> float:
     return float(np.sum((mrec[steps + 1] - mrec[steps]) * mpre[steps + 1]))
 
 
-def _iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of [N, 4] and [M, 4] xyxy boxes -> [N, M] (no +1)."""
-    lt = np.maximum(a[:, None, :2], b[None, :, :2])
-    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
+def _pair_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of row i of ``a`` with row i of ``b``, both [P, 4] xyxy (no +1); 0 where the
+    union is empty."""
+    lt = np.maximum(a[:, :2], b[:, :2])
+    rb = np.minimum(a[:, 2:], b[:, 2:])
     wh = np.clip(rb - lt, 0.0, None)
-    inter = wh[..., 0] * wh[..., 1]
+    inter = wh[:, 0] * wh[:, 1]
     area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
     area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    union = area_a[:, None] + area_b[None, :] - inter
+    union = area_a + area_b - inter
     return np.where(union > 0, inter / np.where(union > 0, union, 1.0), 0.0)
 
 
-def _match_image_class(
-    dt_boxes: np.ndarray, gt_boxes: np.ndarray, gt_ignore: np.ndarray, iou_thresh: float
+def _same_key_pairs(dt_key: np.ndarray, gt_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every (detection, ground truth) pair with equal keys: ``(pair_dt, pair_gt)``,
+    grouped by detection in increasing order, each group's gt in increasing index."""
+    gt_order = np.argsort(gt_key, kind="stable")
+    sorted_keys = gt_key[gt_order]
+    lo = np.searchsorted(sorted_keys, dt_key, side="left")
+    hi = np.searchsorted(sorted_keys, dt_key, side="right")
+    counts = hi - lo
+    pair_dt = np.repeat(np.arange(len(dt_key)), counts)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    pair_gt = gt_order[np.repeat(lo, counts) + offsets]
+    return pair_dt, pair_gt
+
+
+def voc_match(
+    gt_key: np.ndarray, gt_boxes: np.ndarray, gt_ignore: np.ndarray,
+    dt_key: np.ndarray, dt_boxes: np.ndarray, dt_rank: np.ndarray, iou_thresh: float,
 ) -> np.ndarray:
-    """Per detection (already in decreasing score order): 1 TP, 0 FP, -1 ignored."""
-    flags = np.zeros(len(dt_boxes), dtype=np.int8)
-    if len(gt_boxes) == 0:
+    """The VOC devkit's matching, all images and classes at once.
+
+    Each detection goes to the ground-truth box of the same key (image and class) with
+    the highest IoU (the first such box on a tie); at IoU >= ``iou_thresh`` an ignored
+    box makes it ignored (-1), a free box a true positive (1) and a box already taken
+    by an earlier detection (lower ``dt_rank``) a false positive (0); below, a false
+    positive.
+
+    Args:
+        gt_key, dt_key: int64 [G], [D] (image, class) keys.
+        gt_boxes, dt_boxes: float64 [G, 4], [D, 4] xyxy.
+        gt_ignore: bool [G].
+        dt_rank: [D] distinct ranks, the order in which detections claim boxes.
+
+    Returns:
+        int8 [D] flags.
+    """
+    flags = np.zeros(len(dt_key), dtype=np.int8)
+    pair_dt, pair_gt = _same_key_pairs(dt_key, gt_key)
+    if len(pair_dt) == 0:
         return flags
-    ious = _iou_matrix(dt_boxes, gt_boxes)
-    best = ious.argmax(axis=1)
-    best_iou = ious[np.arange(len(dt_boxes)), best]
-    taken = np.zeros(len(gt_boxes), dtype=bool)
-    for i in range(len(dt_boxes)):
-        if best_iou[i] < iou_thresh:
-            continue  # false positive
-        j = best[i]
-        if gt_ignore[j]:
-            flags[i] = -1
-        elif not taken[j]:
-            taken[j] = True
-            flags[i] = 1
+    iou = _pair_iou(dt_boxes[pair_dt], gt_boxes[pair_gt])
+    starts = np.flatnonzero(np.r_[True, pair_dt[1:] != pair_dt[:-1]])
+    dets = pair_dt[starts]
+    best_iou = np.maximum.reduceat(iou, starts)
+    is_best = iou == np.repeat(best_iou, np.diff(np.r_[starts, len(iou)]))
+    first = np.unique(pair_dt[is_best], return_index=True)[1]  # the first box of highest IoU
+    best_gt = pair_gt[np.flatnonzero(is_best)[first]]
+    hit = best_iou >= iou_thresh
+    dets, best_gt = dets[hit], best_gt[hit]
+    ignored = gt_ignore[best_gt]
+    flags[dets[ignored]] = -1
+    dets, best_gt = dets[~ignored], best_gt[~ignored]
+    by_rank = np.argsort(dt_rank[dets], kind="stable")
+    claim = np.unique(best_gt[by_rank], return_index=True)[1]  # the earliest claim of each box
+    flags[dets[by_rank[claim]]] = 1
     return flags
 
 
-def voc_evaluate_records(
-    records: Dict[int, ImageRecord], cat_ids: Sequence[int], iou_thresh: float = 0.5
+def voc_evaluate_arrays(
+    gt_image: np.ndarray, gt_cats: np.ndarray, gt_boxes: np.ndarray, gt_ignore: np.ndarray,
+    dt_image: np.ndarray, dt_cats: np.ndarray, dt_boxes: np.ndarray, dt_scores: np.ndarray,
+    cat_ids: Sequence[int], iou_thresh: float = 0.5, voc07_thresholds: str = "exact",
 ) -> Dict[int, VOCClassResult]:
-    """VOC AP per category id from per-image records (see :func:`group_by_image`).
+    """VOC AP per category id, vectorised over all images.
+
+    Args:
+        gt_image, dt_image: int64 [G], [D] position of each box's image in the data
+            set's image order (ties in score are broken by it, then by input order).
+        gt_cats, dt_cats: int64 original category ids.
+        gt_boxes, dt_boxes: float64 xyxy; gt_ignore: bool [G] (difficult / crowd);
+        dt_scores: float64 [D].
 
     Classes without non-difficult ground truth get ``nan`` AP (left out of the mean).
+    ``voc07_thresholds``: the 11-point rule's recall levels (:func:`voc07_recall_levels`).
+    Detections of a category not in ``cat_ids`` are left out.
     """
-    scores: Dict[int, List[np.ndarray]] = {c: [] for c in cat_ids}
-    flags: Dict[int, List[np.ndarray]] = {c: [] for c in cat_ids}
-    num_gt = {c: 0 for c in cat_ids}
-    known = set(int(c) for c in cat_ids)
-    for rec in records.values():
-        present = np.union1d(rec.gt_cats, rec.dt_cats).tolist()  # classes of this image only
-        for c in present:
-            if c not in known:
-                continue
-            gt_mask = rec.gt_cats == c
-            num_gt[c] += int(np.count_nonzero(gt_mask & ~rec.gt_ignore))
-            dt_idx = np.nonzero(rec.dt_cats == c)[0]
-            if len(dt_idx) == 0:
-                continue
-            order = dt_idx[np.argsort(-rec.dt_scores[dt_idx], kind="stable")]
-            scores[c].append(rec.dt_scores[order])
-            flags[c].append(_match_image_class(rec.dt_boxes[order], rec.gt_boxes[gt_mask], rec.gt_ignore[gt_mask], iou_thresh))
+    voc07_recall_levels(voc07_thresholds)  # an unknown rule fails before the work
+    cat_ids = [int(c) for c in cat_ids]
+    known = np.isin(dt_cats, cat_ids)
+    if not known.all():
+        keep = np.flatnonzero(known)
+        dt_image, dt_cats, dt_boxes, dt_scores = dt_image[keep], dt_cats[keep], dt_boxes[keep], dt_scores[keep]
+    # Each class's curve order: decreasing score, then image order, then input order.
+    curve = np.lexsort((np.arange(len(dt_cats)), dt_image, -dt_scores, dt_cats))
+    rank = np.empty(len(curve), dtype=np.int64)
+    rank[curve] = np.arange(len(curve))
+    span = int(max(int(gt_cats.max(initial=0)), int(dt_cats.max(initial=0)))) + 1
+    flags = voc_match(gt_image * span + gt_cats, gt_boxes, gt_ignore,
+                      dt_image * span + dt_cats, dt_boxes, rank, iou_thresh)
+    sorted_cats = dt_cats[curve]
     out = {}
     for c in cat_ids:
-        s = np.concatenate(scores[c]) if scores[c] else np.zeros(0)
-        f = np.concatenate(flags[c]) if flags[c] else np.zeros(0, dtype=np.int8)
-        order = np.argsort(-s, kind="stable")
-        f = f[order]
+        lo, hi = np.searchsorted(sorted_cats, [c, c + 1])
+        f = flags[curve[lo:hi]]  # ignored detections (-1) stay as points that add nothing
         tp = np.cumsum(f == 1)
         fp = np.cumsum(f == 0)
-        npos = num_gt[c]
+        npos = int(np.count_nonzero((gt_cats == c) & ~gt_ignore))
         recall = tp / npos if npos > 0 else np.full(len(tp), np.nan)
         precision = tp / np.maximum(tp + fp, np.finfo(np.float64).eps)
         if npos > 0:
-            a07, aarea = ap_voc07(recall, precision), ap_area(recall, precision)
+            a07, aarea = ap_voc07(recall, precision, voc07_thresholds), ap_area(recall, precision)
         else:
             a07 = aarea = float("nan")
         out[c] = VOCClassResult(
@@ -148,13 +223,53 @@ def voc_evaluate_records(
     return out
 
 
+def voc_evaluate_records(
+    records: Dict[int, ImageRecord], cat_ids: Sequence[int], iou_thresh: float = 0.5,
+    voc07_thresholds: str = "exact",
+) -> Dict[int, VOCClassResult]:
+    """VOC AP per category id from per-image records (see :func:`group_by_image`), in
+    the records' image order; see :func:`voc_evaluate_arrays`."""
+    recs = list(records.values())
+    n_gt = [len(r.gt_cats) for r in recs]
+    n_dt = [len(r.dt_cats) for r in recs]
+
+    def cat(name: str, shape: tuple) -> np.ndarray:
+        parts = [getattr(r, name) for r in recs]
+        return np.concatenate(parts) if parts else np.zeros(shape)
+
+    return voc_evaluate_arrays(
+        np.repeat(np.arange(len(recs)), n_gt), cat("gt_cats", (0,)).astype(np.int64),
+        cat("gt_boxes", (0, 4)), cat("gt_ignore", (0,)).astype(bool),
+        np.repeat(np.arange(len(recs)), n_dt), cat("dt_cats", (0,)).astype(np.int64),
+        cat("dt_boxes", (0, 4)), cat("dt_scores", (0,)),
+        cat_ids, iou_thresh, voc07_thresholds,
+    )
+
+
 def voc_evaluate(
-    gt: Dict[str, Any], results: Sequence[Dict[str, Any]], iou_thresh: float = 0.5
+    gt: Dict[str, Any], results: Any, iou_thresh: float = 0.5,
+    voc07_thresholds: str = "exact",
 ) -> Dict[int, VOCClassResult]:
     """VOC AP per category id, from a COCO-format gt dict (``difficult``/``ignore``/
-    ``iscrowd`` flags honoured) and COCO results."""
+    ``iscrowd`` flags honoured) and COCO results (a list or ``Detections``)."""
+    dets = as_detections(results)
+    image_ids = np.array([img["id"] for img in gt["images"]], dtype=np.int64)
+    by_id = np.argsort(image_ids, kind="stable")
+
+    def position(ids: np.ndarray) -> np.ndarray:  # index in gt["images"] of each id
+        return by_id[np.searchsorted(image_ids[by_id], ids)]
+
+    anns = gt["annotations"]
     cat_ids = sorted(c["id"] for c in gt["categories"])
-    return voc_evaluate_records(group_by_image(gt, results), cat_ids, iou_thresh)
+    return voc_evaluate_arrays(
+        position(np.array([a["image_id"] for a in anns], dtype=np.int64)),
+        np.array([a["category_id"] for a in anns], dtype=np.int64),
+        xywh_to_xyxy(np.array([a["bbox"] for a in anns], dtype=np.float64).reshape(-1, 4)),
+        np.array([is_ignored(a) for a in anns], dtype=bool),
+        position(dets.image_id),
+        dets.category_id, xywh_to_xyxy(dets.bbox), dets.score,
+        cat_ids, iou_thresh, voc07_thresholds,
+    )
 
 
 def mean_ap(per_class: Dict[int, VOCClassResult], rule: str = "area") -> float:
