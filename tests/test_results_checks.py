@@ -1,0 +1,135 @@
+"""Every results record and ground-truth record is checked before scoring: a bad one is
+one line naming the file, its index and the field (tools/eval.py: exit status 1, no
+traceback). Also: chunked reading of results files gives the same arrays."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from detector.evaluation import results as results_mod
+from detector.evaluation.results import ResultsError, read_results_file
+from eval_fixtures import make_coco_case
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD = 3  # index of the broken record
+
+
+def eval_tool():
+    spec = importlib.util.spec_from_file_location("tool_eval_checks", ROOT / "tools" / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    d = tmp_path_factory.mktemp("checks")
+    gt, dets = make_coco_case(num_images=8)
+    (d / "gt.json").write_text(json.dumps(gt))
+    return d, gt, dets
+
+
+RESULT_CASES = {
+    "nan_score": ("score", float("nan"), r"result 3: 'score' is nan; it must be finite"),
+    "inf_score": ("score", float("inf"), r"result 3: 'score' is inf; it must be finite"),
+    "string_score": ("score", "0.5", r"result 3: 'score' must be a number, got \"0.5\""),
+    "negative_width": ("bbox", [10, 10, -4, 5], r"result 3: 'bbox' has a negative width or height"),
+    "string_box": ("bbox", ["1", "2", "3", "4"], r"result 3: 'bbox' must be 4 numbers \[x, y, w, h\]"),
+    "number_box": ("bbox", 5, r"result 3: 'bbox' must be 4 numbers \[x, y, w, h\], got 5"),
+    "nan_box": ("bbox", [1, float("nan"), 3, 4], r"result 3: 'bbox' has a non-finite number"),
+    "unknown_image": ("image_id", 4242, r"result 3: image_id 4242 is not in the ground truth"),
+    "unknown_category": ("category_id", 99, r"result 3: category_id 99 is not among the ground-truth categories"),
+    "float_image_id": ("image_id", 100.5, r"result 3: 'image_id' must be an integer, got 100.5"),
+    "missing_score": ("score", None, r"result 3 has no 'score'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESULT_CASES))
+def test_bad_result_record_is_one_named_line(case, tmp_path, capsys, name):
+    d, gt, dets = case
+    field, value, message = RESULT_CASES[name]
+    bad = copy.deepcopy(dets)
+    if value is None:
+        del bad[BAD][field]
+    else:
+        bad[BAD][field] = value
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(bad))  # NaN and Infinity as Python's json writes them
+    assert eval_tool().main(["--predictions", str(path), "--annotations", str(d / "gt.json")]) == 1
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.err + out.out, out.err
+    assert str(path) in lines[0]
+    assert pytest.importorskip("re").search(message, lines[0]), lines[0]
+
+
+GT_CASES = {
+    "image_without_id": (lambda gt: gt["images"][2].pop("id"), r"images\[2\] has no 'id'"),
+    "nan_box": (lambda gt: gt["annotations"][1].__setitem__("bbox", [1, float("nan"), 3, 4]),
+                r"annotations\[1\]: 'bbox' has a non-finite number"),
+    "negative_height": (lambda gt: gt["annotations"][1].__setitem__("bbox", [1, 2, 3, -4]),
+                        r"annotations\[1\]: 'bbox' has a negative width or height"),
+    "string_category": (lambda gt: gt["annotations"][0].__setitem__("category_id", "cat"),
+                        r"annotations\[0\]: 'category_id' must be an integer"),
+    "duplicate_image_id": (lambda gt: gt["images"][1].__setitem__("id", gt["images"][0]["id"]),
+                           r"'images' lists id 100 2 times"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GT_CASES))
+def test_bad_ground_truth_record_is_one_named_line(case, tmp_path, capsys, name):
+    d, gt, dets = case
+    spoil, message = GT_CASES[name]
+    bad = copy.deepcopy(gt)
+    spoil(bad)
+    (tmp_path / "gt.json").write_text(json.dumps(bad))
+    (tmp_path / "dets.json").write_text(json.dumps(dets))
+    assert eval_tool().main(["--predictions", str(tmp_path / "dets.json"), "--annotations", str(tmp_path / "gt.json")]) == 1
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.err + out.out, out.err
+    assert "gt.json" in lines[0] and pytest.importorskip("re").search(message, lines[0]), lines[0]
+
+
+def test_nan_score_in_a_subprocess(case, tmp_path):
+    """The tool as a user runs it: non-zero exit, one line on stderr, no traceback."""
+    d, _, dets = case
+    bad = copy.deepcopy(dets)
+    bad[BAD]["score"] = float("nan")
+    (tmp_path / "p.json").write_text(json.dumps(bad))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "eval.py"), "--predictions", str(tmp_path / "p.json"),
+                           "--annotations", str(d / "gt.json")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'p.json'}: result 3: 'score' is nan; it must be finite"]
+
+
+def test_chunked_reading_equals_one_pass_and_names_the_global_index(case, tmp_path, monkeypatch):
+    _, _, dets = case
+    many = [dict(r, score=float(k) / 1000) for k, r in enumerate(dets * 20)]
+    many[5]["note"] = "a string with }, inside"  # a wrong split guess: falls back to one pass
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps(many, indent=1))
+    monkeypatch.setattr(results_mod, "CHUNK_CHARS", 500)
+    got = read_results_file(path)
+    assert len(got) == len(many)
+    np.testing.assert_array_equal(got.score, [r["score"] for r in many])
+    np.testing.assert_array_equal(got.bbox, [r["bbox"] for r in many])
+    del many[5]["note"]
+    path.write_text(json.dumps(many, indent=1))
+    chunked = read_results_file(path)
+    np.testing.assert_array_equal(chunked.image_id, got.image_id)
+    np.testing.assert_array_equal(chunked.category_id, got.category_id)
+    late = len(many) - 7
+    many[late]["bbox"] = [1, 2, -3, 4]
+    path.write_text(json.dumps(many, indent=1))
+    with pytest.raises(ResultsError, match=rf"result {late}: 'bbox' has a negative width"):
+        read_results_file(path)
