@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from detector.engine.step import AmpSettings, TrainStep
 
@@ -141,6 +142,37 @@ def test_no_trainable_parameters_is_an_error():
     opt.param_groups[0]["params"] = []
     with pytest.raises(ValueError, match="no parameters to train"):
         TrainStep(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1))
+
+
+class CountReadBacks(TorchFunctionMode):
+    """Counts the Python-level ways a tensor's value reaches the host."""
+
+    READ_BACKS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+                  torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.numpy}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READ_BACKS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("amp", [AmpSettings(), AmpSettings(True, torch.float16)])
+def test_the_step_reads_back_one_value(amp):
+    """The step's own code (optimizer, scaler and scheduler included) reads one tensor
+    back per iteration: the flags."""
+    torch.manual_seed(0)
+    model = TwoLosses()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = TrainStep(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1), amp, clip_grad_norm=1.0,
+                     scaler=torch.amp.GradScaler("cpu", init_scale=8.0, enabled=amp.uses_scaler))
+    step(*batch(0))  # lazy state (momentum buffers)
+    with CountReadBacks() as counter:
+        out = step(*batch(1))
+    assert not out.skipped and counter.calls == ["tolist"]
 
 
 @pytest.mark.gpu
