@@ -173,11 +173,12 @@ class NonFiniteGuard(HookBase):
     newest finite checkpoint; failing that, the current state is saved if it is finite
     (the skipped steps did not change the weights)."""
 
-    def __init__(self, max_in_row: int, checkpointer: Checkpointer) -> None:
+    def __init__(self, max_in_row: int, checkpointer: Checkpointer, world_size: int = 1) -> None:
         if max_in_row <= 0:
             raise ValueError(f"train.max_nonfinite_steps must be > 0, got {max_in_row}")
         self.max_in_row = max_in_row
         self.checkpointer = checkpointer
+        self.world_size = world_size
         self.in_row = 0
 
     def after_step(self, state: LoopState) -> None:
@@ -198,7 +199,8 @@ class NonFiniteGuard(HookBase):
             )
 
     def _resume_point(self, first_bad: int, iteration: int) -> str:
-        found = self.checkpointer.newest_at_most(first_bad - 2)
+        # Rank 0 sees the files; every rank must take the same branch (save is collective).
+        found = _rank0_decides(self.checkpointer.newest_at_most(first_bad - 2), self.world_size)
         if found is not None:
             return f"resume from the newest finite checkpoint before the failing steps: {found[0]} (iteration {found[1]})"
         ck = self.checkpointer

@@ -177,7 +177,7 @@ class Trainer:
         )
         self.hooks: List[HookBase] = [
             SignalHook(),
-            NonFiniteGuard(cfg.train.max_nonfinite_steps, self.checkpointer),
+            NonFiniteGuard(cfg.train.max_nonfinite_steps, self.checkpointer, self.world_size),
             MetricsWriter(cfg.train.log_period, self.optimizer, self.writers, self.device, self.world_size, self.scaler,
                           progress_bar=self.is_main and _stderr_is_terminal(), is_main=self.is_main),
             PeriodicCheckpointer(self.checkpointer, cfg.train.checkpoint_period),
