@@ -301,19 +301,21 @@ def _load_train_tool():
 @pytest.fixture
 def cli(capsys):
     """``tools/train.py``'s ``main`` in this process: returns ``(exit status, stderr)``.
-    The ``detector`` logger's set-up is restored afterwards (main configures it)."""
+    The ``detector`` and ``py.warnings`` loggers are restored afterwards (main configures them)."""
     tool = _load_train_tool()
-    log = logging.getLogger("detector")
+    logs = [logging.getLogger(name) for name in ("detector", "py.warnings")]
 
     def run(*argv: str):
-        saved = (list(log.handlers), log.propagate, log.level)
+        saved = [(list(log.handlers), log.propagate, log.level) for log in logs]
         try:
             rc = tool.main([str(a) for a in argv])
         finally:
-            for h in log.handlers:
-                if h not in saved[0]:
-                    h.close()
-            log.handlers[:], log.propagate, log.level = saved
+            logging.captureWarnings(False)
+            for log, (handlers, propagate, level) in zip(logs, saved):
+                for h in log.handlers:
+                    if h not in handlers:
+                        h.close()
+                log.handlers[:], log.propagate, log.level = handlers, propagate, level
         return rc, capsys.readouterr().err
 
     return run
