@@ -1,9 +1,11 @@
-"""Shared test fixtures: paths, the real-data folder, markers that skip."""
+"""Shared test fixtures: paths, the real-data folder, markers that skip, and the one
+tiny-model test config (``tests/configs/tiny.yaml``) with its helpers."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable, List, Optional, Union
 
 import pytest
 import torch
@@ -11,8 +13,29 @@ import torch
 # Tests that import albumentations directly: no PyPI version check (detector.data sets the same).
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
+from detector.config import Config, load_config  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 REAL_DATA = ROOT.parent / "shared" / "data" / "real"
+TINY_CONFIG = ROOT / "tests" / "configs" / "tiny.yaml"
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def tiny_overrides(data_root: PathLike, output_dir: Optional[PathLike] = None, *extra: str) -> List[str]:
+    """Overrides for ``TINY_CONFIG``: the generated data under ``data_root`` (train and
+    val), the run folder ``output_dir`` if given, then ``extra`` (``key=value``).
+
+    For subprocesses: ``tools/train.py --config TINY_CONFIG *tiny_overrides(...)``."""
+    out = [f"data.train.root={data_root}", f"data.val.root={data_root}"]
+    if output_dir is not None:
+        out.append(f"train.output_dir={output_dir}")
+    return out + list(extra)
+
+
+def tiny_config(data_root: PathLike, output_dir: Optional[PathLike] = None, *extra: str) -> Config:
+    """``load_config(TINY_CONFIG, tiny_overrides(data_root, output_dir, *extra))``."""
+    return load_config(TINY_CONFIG, tiny_overrides(data_root, output_dir, *extra))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,3 +58,20 @@ def real_data() -> Path:
     if not REAL_DATA.is_dir():
         pytest.skip(f"real data folder absent: {REAL_DATA}")
     return REAL_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A shared folder for the tiny config's generated shapes (made on first use)."""
+    return tmp_path_factory.mktemp("tiny_shapes") / "data"
+
+
+@pytest.fixture
+def tiny_cfg(tiny_data, tmp_path) -> Callable[..., Config]:
+    """``tiny_cfg(*overrides) -> Config``: the tiny test model on the shared generated
+    data, with its run folder in this test's ``tmp_path / "run"``."""
+
+    def make(*overrides: str) -> Config:
+        return tiny_config(tiny_data, tmp_path / "run", *overrides)
+
+    return make

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from detector.engine.log import read_jsonl
+from conftest import TINY_CONFIG, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ WORKER = textwrap.dedent("""
     info = init_distributed("cpu")
     # Rank 1 is told another output folder: it must stay absent (rank 0 writes all files).
     out_rank = out if info.rank == 0 else out + "_rank1"
-    cfg = load_config(os.path.join({root!r}, "configs", "tiny_cpu.yaml"), overrides + [f"train.output_dir={{out_rank}}"])
+    cfg = load_config({config!r}, overrides + [f"train.output_dir={{out_rank}}"])
     setup_logging(cfg.train.output_dir, info.rank)
     model = build_model(cfg)
     seen = []
@@ -57,7 +58,7 @@ WORKER = textwrap.dedent("""
     with open(os.path.join(side, f"seen_{{info.rank}}.json"), "w") as f:
         json.dump(seen, f)
     torch.distributed.destroy_process_group()
-""").format(root=str(ROOT))
+""").format(config=str(TINY_CONFIG))
 
 
 @pytest.mark.dist
@@ -69,17 +70,10 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     side.mkdir()
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    overrides = [
-        f"data.train.root={data}", f"data.val.root={data}",
-        "data.shapes.num_train=8", "data.shapes.num_val=4", "data.shapes.min_side=64", "data.shapes.max_side=96",
-        "data.num_workers=0", "input.min_size_train=[64]", "input.max_size_train=96", "input.hflip_prob=0.0",
-        "model.fpn_channels=32", "model.gn_groups=8", "roi_heads.representation_size=64",
-        "rpn.batch_size_per_image=64", "roi_heads.batch_size_per_image=32",
-        "rpn.pre_nms_topk_train=200", "rpn.post_nms_topk_train=100",
-        "solver.images_per_gpu=2", "solver.reference_batch_size=4", "solver.max_iter=3", "solver.warmup_iters=1",
-        "solver.steps=[100]", "train.device=cpu", "train.log_period=1", "train.eval_period=-1",
-        "train.checkpoint_period=2", "train.tensorboard=false",
-    ]
+    overrides = tiny_overrides(
+        data, None, "solver.reference_batch_size=4", "solver.max_iter=3", "solver.warmup_iters=1",
+        "solver.steps=[100]", "train.checkpoint_period=2", "train.deterministic=false",
+    )
     # Generate the data once, before the ranks start.
     from detector.data.shapes import ensure_shapes
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from detector.evaluation.evaluator import _check_coverage
+from conftest import TINY_CONFIG, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_VAL = 7  # odd: shards of 4 and 3
@@ -30,7 +31,7 @@ def _torchrun(nproc: int, overrides, weights: Path, out: Path) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(ROOT / "tools" / "eval.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+        str(ROOT / "tools" / "eval.py"), "--config", str(TINY_CONFIG),
         "--weights", str(weights), "--output-dir", str(out), *overrides,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
@@ -46,13 +47,12 @@ def test_two_ranks_equal_one_rank(tmp_path):
     from detector.modeling import build_model
 
     data = tmp_path / "shapes"
-    overrides = [
-        f"data.val.root={data}", f"data.train.root={data}", "data.shapes.num_train=1",
-        f"data.shapes.num_val={NUM_VAL}", "data.shapes.min_side=64", "data.shapes.max_side=128",
+    overrides = tiny_overrides(
+        data, None, "data.shapes.num_train=1", f"data.shapes.num_val={NUM_VAL}", "data.shapes.max_side=128",
         "input.min_size_test=96", "input.max_size_test=128", "roi_heads.score_thresh=0.01",
-        "eval.images_per_gpu=1", "eval.score_thresh=0.2", "train.device=cpu",
-    ]  # fmt: skip
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", overrides)
+        "eval.images_per_gpu=1", "eval.score_thresh=0.2",
+    )
+    cfg = load_config(TINY_CONFIG, overrides)
     ensure_shapes(data, 1, NUM_VAL, cfg.data.shapes.seed, 64, 128)
     torch.manual_seed(123)
     torch.save(build_model(cfg).state_dict(), tmp_path / "w.pth")

@@ -16,6 +16,7 @@ from PIL import Image
 
 from detector.evaluation import COCO_METRIC_NAMES
 from detector.evaluation.plots import plot_confusion_matrix, plot_pr_curves
+from conftest import TINY_CONFIG, tiny_overrides
 from eval_fixtures import make_coco_case, pycocotools_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,12 +192,11 @@ def tiny_setup(tmp_path_factory):
     from detector.data import build_dataset
 
     data = tmp_path_factory.mktemp("shapes") / "data"
-    overrides = [
-        f"data.val.root={data}", f"data.train.root={data}", "data.shapes.num_train=1", "data.shapes.num_val=3",
-        "data.shapes.min_side=64", "data.shapes.max_side=112", "input.min_size_test=96", "input.max_size_test=128",
-        "roi_heads.score_thresh=0.01", "eval.images_per_gpu=2", "eval.score_thresh=0.2",
-    ]  # fmt: skip
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", overrides)
+    overrides = tiny_overrides(
+        data, None, "data.shapes.num_train=1", "data.shapes.num_val=3", "data.shapes.max_side=112",
+        "input.min_size_test=96", "input.max_size_test=128", "roi_heads.score_thresh=0.01", "eval.score_thresh=0.2",
+    )
+    cfg = load_config(TINY_CONFIG, overrides)
     return cfg, overrides, build_dataset(cfg, "val", is_train=False)
 
 
@@ -236,7 +236,7 @@ def test_val_loss_keeps_norm_layers_and_rng(tiny_setup):
     from detector.modeling import build_model
 
     _, overrides, dataset = tiny_setup
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [*overrides, "model.norm=bn"])
+    cfg = load_config(TINY_CONFIG, [*overrides, "model.norm=bn"])
     torch.manual_seed(0)
     model = build_model(cfg)
     model.eval()

@@ -19,37 +19,29 @@ from detector.engine.optim import build_optimizer
 from detector.engine.trainer import Trainer
 from detector.modeling.weights import WeightsError, load_initial_weights
 from detector.modeling import build_model
+from conftest import TINY_CONFIG, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PRED = "roi_heads.box_predictor."
 
 
-def _overrides(data: Path, out: Path) -> list:
-    return [
-        f"train.output_dir={out}", f"data.train.root={data}", f"data.val.root={data}",
-        "data.shapes.num_train=4", "data.shapes.num_val=2", "data.shapes.min_side=64", "data.shapes.max_side=96",
-        "data.num_workers=0", "input.min_size_train=[64]", "input.max_size_train=96",
-        "model.fpn_channels=32", "model.gn_groups=8", "roi_heads.representation_size=64",
-        "rpn.pre_nms_topk_train=200", "rpn.post_nms_topk_train=100",
-        "solver.images_per_gpu=2", "solver.reference_batch_size=2", "solver.max_iter=1", "solver.warmup_iters=1",
-        "solver.steps=[100]", "train.device=cpu", "train.eval_period=-1", "train.checkpoint_period=0",
-        "train.tensorboard=false", "train.log_period=1",
-    ]
+def _tiny(data: Path, out: Path, *extra: str):
+    """The tests' tiny model, one iteration on 4 generated images."""
+    return tiny_config(data, out, "data.shapes.num_train=4", "data.shapes.num_val=2", "solver.max_iter=1",
+                       "solver.warmup_iters=1", "solver.steps=[100]", "train.deterministic=false", *extra)
 
 
 def test_checkpoint_of_other_class_count_keeps_fresh_predictor(tmp_path, caplog):
     data = tmp_path / "shapes"
     # A source model of another class count: two of the shapes' three classes.
-    src_cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml",
-                          _overrides(data, tmp_path / "src") + ["model.num_classes=2", "data.class_names=[circle,triangle]"])
+    src_cfg = _tiny(data, tmp_path / "src", "model.num_classes=2", "data.class_names=[circle,triangle]")
     src = Trainer(src_cfg)
     src.train()
     src.close()
     ckpt = tmp_path / "src" / "checkpoints" / "last.pth"
     source = torch.load(ckpt, weights_only=True)["model"]
 
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml",
-                      _overrides(data, tmp_path / "ft") + [f"model.weights={ckpt}", "model.num_classes=3"])
+    cfg = _tiny(data, tmp_path / "ft", f"model.weights={ckpt}", "model.num_classes=3")
     with caplog.at_level(logging.INFO, logger="detector"):
         t = Trainer(cfg)
     state = t.model_without_ddp.state_dict()
@@ -58,7 +50,7 @@ def test_checkpoint_of_other_class_count_keeps_fresh_predictor(tmp_path, caplog)
     assert state[PRED + "cls_score.weight"].shape[0] == 4 and source[PRED + "cls_score.weight"].shape[0] == 3
     # The predictor is the fresh initialisation a model built with the same seed has.
     seed_everything(cfg.train.seed, 0)
-    fresh = build_model(load_config(ROOT / "configs" / "tiny_cpu.yaml", _overrides(data, tmp_path / "x"))).state_dict()
+    fresh = build_model(_tiny(data, tmp_path / "x")).state_dict()
     assert all(torch.equal(state[k], fresh[k]) for k in state if k.startswith(PRED))
     # The log lists the skipped keys.
     for key in ("cls_score.weight", "cls_score.bias", "bbox_pred.weight", "bbox_pred.bias"):
@@ -68,7 +60,7 @@ def test_checkpoint_of_other_class_count_keeps_fresh_predictor(tmp_path, caplog)
 
 
 def test_plain_state_dict_loads_everything(tmp_path):
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", ["model.fpn_channels=32", "model.gn_groups=8"])
+    cfg = load_config(TINY_CONFIG)
     torch.manual_seed(1)
     src = build_model(cfg)
     torch.save(src.state_dict(), tmp_path / "plain.pth")

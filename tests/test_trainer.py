@@ -23,7 +23,6 @@ import pytest
 import torch
 from torch import nn
 
-from detector.config import load_config
 from detector.engine.checkpoint import load_checkpoint
 from detector.engine.hooks import HookBase
 from detector.engine.log import read_jsonl
@@ -31,37 +30,14 @@ from detector.engine.run_folder import RunFolderError
 from detector.engine.setup import apply_norm_policy
 from detector.engine.trainer import NonFiniteLossError, Trainer
 from detector.modeling import build_model
+from conftest import TINY_CONFIG, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_overrides(data_root: Path, out: Path) -> list:
-    """The tiny model at 64-96 px on 8 generated images: ~0.2 s per iteration on a CPU."""
-    return [
-        f"train.output_dir={out}",
-        f"data.train.root={data_root}", f"data.val.root={data_root}",
-        "data.shapes.num_train=8", "data.shapes.num_val=4", "data.shapes.min_side=64", "data.shapes.max_side=96",
-        "data.num_workers=0", "data.filter_empty=true",
-        "input.min_size_train=[64]", "input.max_size_train=96", "input.min_size_test=64", "input.max_size_test=96",
-        "input.hflip_prob=0.0",
-        "model.fpn_channels=32", "model.gn_groups=8", "roi_heads.representation_size=64",
-        "rpn.batch_size_per_image=64", "roi_heads.batch_size_per_image=32",
-        "rpn.pre_nms_topk_train=200", "rpn.post_nms_topk_train=100",
-        "rpn.pre_nms_topk_test=100", "rpn.post_nms_topk_test=50",
-        "solver.images_per_gpu=2", "solver.reference_batch_size=2", "solver.lr=0.01",
-        "solver.warmup_iters=2", "solver.steps=[5]", "solver.max_iter=6",
-        "train.device=cpu", "train.seed=3", "train.deterministic=true",
-        "train.log_period=1", "train.eval_period=-1", "train.checkpoint_period=0", "train.tensorboard=false",
-    ]
 
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("shapes") / "data"  # generated on first use
-
-
-def make_cfg(data_root: Path, out: Path, *extra: str):
-    return load_config(ROOT / "configs" / "tiny_cpu.yaml", tiny_overrides(data_root, out) + list(extra))
 
 
 def weights(trainer: Trainer) -> dict:
@@ -84,12 +60,12 @@ def test_exact_resume_matches_straight_run(data_root, tmp_path):
     # Random flips and sizes: augmentation depends only on (seed, epoch, sample index).
     aug = ["input.hflip_prob=0.5", "input.min_size_train=[56,64,72]"]
     # Straight: 6 iterations (4 batches per epoch: crosses an epoch boundary).
-    a = Trainer(make_cfg(data_root, tmp_path / "a", *aug))
+    a = Trainer(tiny_config(data_root, tmp_path / "a", *aug))
     res = a.train()
     a.close()
     assert res.status == "finished" and res.iteration == 6
     # Interrupted at 5 with a checkpoint at 3, resumed from iteration 3 (mid-epoch).
-    cfg_b = make_cfg(data_root, tmp_path / "b", "train.checkpoint_period=3", *aug)
+    cfg_b = tiny_config(data_root, tmp_path / "b", "train.checkpoint_period=3", *aug)
     b = Trainer(cfg_b)
     b.hooks.append(SignalAt(4))
     res = b.train()
@@ -117,13 +93,13 @@ def test_exact_resume_matches_straight_run(data_root, tmp_path):
 
 
 def test_auto_resume_and_missing_checkpoint(data_root, tmp_path, caplog):
-    cfg = make_cfg(data_root, tmp_path / "r", "solver.max_iter=2")
+    cfg = tiny_config(data_root, tmp_path / "r", "solver.max_iter=2")
     with caplog.at_level(logging.INFO, logger="detector.engine"):
         t = Trainer(cfg, resume=True)  # nothing to resume: starts fresh, and says so
     assert t.iteration == 0 and "no checkpoint to continue" in caplog.text and "starting a fresh run" in caplog.text
     t.train()
     t.close()
-    cfg = make_cfg(data_root, tmp_path / "r", "solver.max_iter=3")
+    cfg = tiny_config(data_root, tmp_path / "r", "solver.max_iter=3")
     t = Trainer(cfg, resume=True)
     assert t.iteration == 2
     t.train()
@@ -152,7 +128,7 @@ def _inject_nan(model: nn.Module, bad_iterations: set) -> nn.Module:
 
 
 def test_nan_loss_is_skipped_and_logged(data_root, tmp_path, caplog):
-    cfg = make_cfg(data_root, tmp_path / "n", "solver.max_iter=4")
+    cfg = tiny_config(data_root, tmp_path / "n", "solver.max_iter=4")
     torch.manual_seed(0)
     model = _inject_nan(build_model(cfg), {2})
     t = Trainer(cfg, model=model)
@@ -168,7 +144,7 @@ def test_nan_loss_is_skipped_and_logged(data_root, tmp_path, caplog):
 
 @pytest.mark.parametrize("period", [0, 2])
 def test_k_nonfinite_in_a_row_stop_with_loadable_checkpoint(data_root, tmp_path, period):
-    cfg = make_cfg(data_root, tmp_path / "k", "solver.max_iter=20", "train.max_nonfinite_steps=3",
+    cfg = tiny_config(data_root, tmp_path / "k", "solver.max_iter=20", "train.max_nonfinite_steps=3",
                    f"train.checkpoint_period={period}")
     torch.manual_seed(0)
     model = _inject_nan(build_model(cfg), set(range(4, 100)))
@@ -193,8 +169,8 @@ def test_k_nonfinite_in_a_row_stop_with_loadable_checkpoint(data_root, tmp_path,
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.gpu)])
 def test_amp_steps_and_scaler_survives_resume(data_root, tmp_path, dtype):
     device = "train.device=cuda" if dtype == "float16" else "train.device=cpu"
-    cfg = make_cfg(data_root, tmp_path / dtype, "solver.max_iter=2", "train.amp.enabled=true", f"train.amp.dtype={dtype}",
-                   "solver.images_per_gpu=1", "solver.reference_batch_size=1", device)
+    cfg = tiny_config(data_root, tmp_path / dtype, "solver.max_iter=2", "train.amp.enabled=true", f"train.amp.dtype={dtype}",
+                      "solver.images_per_gpu=1", "solver.reference_batch_size=1", device)
     t = Trainer(cfg)
     res = t.train()
     assert res.iteration == 2
@@ -206,9 +182,9 @@ def test_amp_steps_and_scaler_survives_resume(data_root, tmp_path, dtype):
         t.scaler.update(new_scale=1234.0)  # a scale the default would never give
         t.checkpointer.save(["last.pth"], t.iteration)
         t.close()
-        t2 = Trainer(make_cfg(data_root, tmp_path / dtype, "solver.max_iter=3", "train.amp.enabled=true",
-                              "train.amp.dtype=float16", "solver.images_per_gpu=1", "solver.reference_batch_size=1",
-                              device),
+        t2 = Trainer(tiny_config(data_root, tmp_path / dtype, "solver.max_iter=3", "train.amp.enabled=true",
+                                 "train.amp.dtype=float16", "solver.images_per_gpu=1", "solver.reference_batch_size=1",
+                                 device),
                      resume=True)
         assert t2.scaler.get_scale() == 1234.0
         t2.train()
@@ -218,7 +194,7 @@ def test_amp_steps_and_scaler_survives_resume(data_root, tmp_path, dtype):
 
 
 def test_syncbn_on_cpu_falls_back_to_bn_with_warning(data_root, tmp_path, caplog):
-    cfg = make_cfg(data_root, tmp_path / "s", "model.norm=syncbn", "model.freeze_at=1", "solver.max_iter=1")
+    cfg = tiny_config(data_root, tmp_path / "s", "model.norm=syncbn", "model.freeze_at=1", "solver.max_iter=1")
     with caplog.at_level(logging.WARNING, logger="detector.engine"):
         t = Trainer(cfg)
     assert "SyncBatchNorm needs CUDA" in caplog.text
@@ -232,7 +208,7 @@ def test_syncbn_conversion_keeps_frozen_bn(data_root, tmp_path):
     """The CUDA path of the policy (conversion only; no GPU needed to build the modules)."""
     from torchvision.ops import FrozenBatchNorm2d
 
-    cfg = make_cfg(data_root, tmp_path / "c", "model.norm=syncbn", "model.freeze_at=2")
+    cfg = tiny_config(data_root, tmp_path / "c", "model.norm=syncbn", "model.freeze_at=2")
     model = build_model(cfg)
     n_frozen = sum(isinstance(m, FrozenBatchNorm2d) for m in model.modules())
     n_bn = sum(type(m) is nn.BatchNorm2d for m in model.modules())
@@ -246,7 +222,7 @@ def test_syncbn_conversion_keeps_frozen_bn(data_root, tmp_path):
 
 @pytest.mark.gpu
 def test_syncbn_single_gpu_step(data_root, tmp_path):
-    cfg = make_cfg(data_root, tmp_path / "g", "model.norm=syncbn", "train.device=cuda", "solver.max_iter=2")
+    cfg = tiny_config(data_root, tmp_path / "g", "model.norm=syncbn", "train.device=cuda", "solver.max_iter=2")
     t = Trainer(cfg)
     assert t.train().iteration == 2
     t.close()
@@ -255,7 +231,7 @@ def test_syncbn_single_gpu_step(data_root, tmp_path):
 @pytest.mark.slow
 def test_sigterm_mid_run_checkpoints_and_resumes(data_root, tmp_path):
     out = tmp_path / "sig"
-    args = [sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+    args = [sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(TINY_CONFIG),
             *tiny_overrides(data_root, out), "solver.max_iter=1000", "train.deterministic=false"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out / "metrics.jsonl"
@@ -322,7 +298,7 @@ def cli(capsys):
 
 
 def cli_args(data_root: Path, out: Path, *extra: str) -> list:
-    return ["--config", ROOT / "configs" / "tiny_cpu.yaml", *tiny_overrides(data_root, out), *extra]
+    return ["--config", TINY_CONFIG, *tiny_overrides(data_root, out), *extra]
 
 
 def assert_one_error_line(err: str, *parts: str) -> None:
@@ -336,7 +312,7 @@ def assert_one_error_line(err: str, *parts: str) -> None:
 
 def test_busy_folder_is_refused_and_the_first_run_finishes_untouched(data_root, tmp_path, cli):
     out = tmp_path / "run"
-    first = Trainer(make_cfg(data_root, out, "solver.max_iter=3"))
+    first = Trainer(tiny_config(data_root, out, "solver.max_iter=3"))
     config_text = (out / "config.yaml").read_text()
     rc, err = cli(*cli_args(data_root, out, "solver.max_iter=2"))
     assert rc == 1 and len(err.strip().splitlines()) == 1
@@ -387,7 +363,7 @@ def test_val_images_removed_mid_run_cost_no_checkpoint(data_root, tmp_path, cli)
 
 def test_diverged_run_names_a_finite_checkpoint_that_resumes(data_root, tmp_path):
     out = tmp_path / "lr"
-    cfg = make_cfg(data_root, out, "solver.lr=1e6", "solver.max_iter=20", "solver.warmup_iters=2",
+    cfg = tiny_config(data_root, out, "solver.lr=1e6", "solver.max_iter=20", "solver.warmup_iters=2",
                    "train.checkpoint_period=1", "train.max_nonfinite_steps=3")
     t = Trainer(cfg)
     with pytest.raises(NonFiniteLossError) as e:
@@ -402,7 +378,7 @@ def test_diverged_run_names_a_finite_checkpoint_that_resumes(data_root, tmp_path
     assert all(torch.isfinite(v).all() for v in tensors if v.is_floating_point())
     # Resume from it with a sane LR: it trains on, with finite losses.
     start = state["iteration"]
-    t = Trainer(make_cfg(data_root, out, "solver.lr=0.02", f"solver.max_iter={start + 3}", "solver.warmup_iters=2",
+    t = Trainer(tiny_config(data_root, out, "solver.lr=0.02", f"solver.max_iter={start + 3}", "solver.warmup_iters=2",
                          "train.checkpoint_period=0"), resume=named.group(1))
     res = t.train()
     t.close()
@@ -417,10 +393,10 @@ def test_bad_resume_checkpoints_are_one_line(data_root, tmp_path, cli):
     """Empty, truncated, random bytes, a non-weights pickle, weights without training
     state, another architecture: each one line naming the file, no traceback."""
     good = tmp_path / "good.pth"
-    model = build_model(make_cfg(data_root, tmp_path / "x"))
+    model = build_model(tiny_config(data_root, tmp_path / "x"))
     torch.save({"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "iteration": 1}, good)
     data = good.read_bytes()
-    other = build_model(make_cfg(data_root, tmp_path / "x", "model.fpn_channels=64"))
+    other = build_model(tiny_config(data_root, tmp_path / "x", "model.fpn_channels=64"))
 
     class Evil:
         def __reduce__(self):

@@ -1,0 +1,161 @@
+"""Bad weight files: one reader (``read_weights_file``) gives one line naming the file for
+an empty, truncated, corrupt, non-weights or tensor-less file and for another
+architecture; tools/eval.py and tools/infer.py print it and exit 1, with no traceback
+and never torch's advice to load with ``weights_only=False``. Also: with ``--weights``
+the tools never load the run's ``model.weights``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from detector.config import load_config
+from detector.modeling import build_model
+from detector.modeling.weights import WeightsError, read_weights_file
+from conftest import TINY_CONFIG, tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class NotWeights:
+    """Any class: a pickle of it is not a weights file."""
+
+    def __init__(self):
+        self.x = 1
+
+
+def _write_bad_files(folder: Path) -> dict:
+    """name -> (path, the words the message must contain)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    good = folder / "good.pth"
+    torch.save({"model": {"a": torch.zeros(100)}}, good)
+    data = good.read_bytes()
+    files = {
+        "empty": (b"", "empty file"),
+        "truncated": (data[: len(data) // 2], "truncated or corrupt"),
+        "random": (np.random.default_rng(0).bytes(4096), "not a PyTorch weights file"),
+        "text": (b"hello, not weights\n", "not a PyTorch weights file"),
+    }
+    out = {}
+    for name, (blob, words) in files.items():
+        (folder / f"{name}.pth").write_bytes(blob)
+        out[name] = (folder / f"{name}.pth", words)
+    torch.save({"model": NotWeights()}, folder / "object.pth")
+    out["object"] = (folder / "object.pth", "refused to load: the file holds Python objects")
+    (folder / "pickle.pkl").write_bytes(pickle.dumps({"model": NotWeights()}))
+    out["pickle"] = (folder / "pickle.pkl", "not a PyTorch weights file")
+    torch.save({"model": {"lr": 0.1, "name": "x"}, "iteration": 3}, folder / "no_tensors.pth")
+    out["no_tensors"] = (folder / "no_tensors.pth", "not a state dict: it holds no tensors")
+    torch.save([torch.zeros(2)], folder / "list.pth")
+    out["list"] = (folder / "list.pth", "holds a list, not a state dict")
+    return out
+
+
+def test_read_weights_file_one_line_per_case(tmp_path):
+    from detector.modeling.weights import load_weights
+
+    model = build_model(load_config(TINY_CONFIG))
+    for name, (path, words) in _write_bad_files(tmp_path).items():
+        with pytest.raises(WeightsError) as e:
+            load_weights(model, path)
+        msg = str(e.value)
+        assert msg.startswith(str(path)) and words in msg, (name, msg)
+        assert "\n" not in msg and "weights_only" not in msg, (name, msg)
+    with pytest.raises(WeightsError, match="nope.pth: no such file"):
+        read_weights_file(tmp_path / "nope.pth")
+    assert read_weights_file(tmp_path / "good.pth")["model"]["a"].shape == (100,)
+
+
+@pytest.fixture(scope="module")
+def tool_setup(tmp_path_factory):
+    """A tiny model's weights, a config, a val set of 2 generated images, one input
+    image, the bad files, and the weights of another architecture."""
+    root = tmp_path_factory.mktemp("weight_files")
+    data = root / "shapes"
+    overrides = tiny_overrides(data, None, "data.shapes.num_train=1", "data.shapes.num_val=2")
+    cfg = load_config(TINY_CONFIG, overrides)
+    torch.manual_seed(0)
+    torch.save(build_model(cfg).state_dict(), root / "good.pth")
+    wide = build_model(load_config(TINY_CONFIG, [*overrides, "model.fpn_channels=48"]))
+    torch.save({"model": wide.state_dict(), "iteration": 5}, root / "other_arch.pth")
+    image = root / "in.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (80, 90, 3), dtype=np.uint8)).save(image)
+    files = _write_bad_files(root / "bad")
+    files["other_arch"] = (root / "other_arch.pth", "does not fit the model")
+    return root, overrides, image, files
+
+
+def _tool_args(tool: str, weights: Path, root: Path, overrides, image: Path) -> list:
+    args = [str(ROOT / "tools" / f"{tool}.py"), "--config", str(TINY_CONFIG), "--weights", str(weights),
+            "--output-dir", str(root / f"out_{tool}")]
+    if tool == "infer":
+        args += ["--input", str(image)]
+    return args + list(overrides)
+
+
+CASES = ["empty", "truncated", "random", "object", "no_tensors", "other_arch"]
+
+
+def _check_error(stderr: str, path: Path, words: str, case: str) -> None:
+    assert "Traceback" not in stderr and "weights_only=False" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(path) in errors[0] and words in errors[0], stderr[-2000:]
+    if case == "other_arch":  # the first mismatched keys and shapes are named
+        assert "backbone.fpn." in errors[0] and "[48," in errors[0] and "[32," in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("tool", ["eval", "infer"])
+@pytest.mark.parametrize("case", CASES)
+def test_tools_bad_weights_one_line(tool_setup, tool, case, capsys):
+    root, overrides, image, files = tool_setup
+    path, words = files[case]
+    assert _load_tool(tool).main(_tool_args(tool, path, root, overrides, image)[1:]) == 1
+    _check_error(capsys.readouterr().err, path, words, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["eval", "infer"])
+@pytest.mark.parametrize("case", ["random", "object"])
+def test_tools_bad_weights_one_line_subprocess(tool_setup, tool, case):
+    """The two cases where torch's own message suggests ``weights_only=False``."""
+    root, overrides, image, files = tool_setup
+    path, words = files[case]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, *_tool_args(tool, path, root, overrides, image)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stdout
+    _check_error(proc.stderr, path, words, case)
+
+
+def _load_tool(name):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("tool", ["eval", "infer"])
+@pytest.mark.parametrize("weights", ["missing_file.pth", "FasterRCNN_ResNet50_FPN_Weights.COCO_V1"])
+def test_weights_flag_never_loads_model_weights(tool_setup, tool, weights, monkeypatch):
+    """A run whose config names a model.weights that cannot be loaded (a missing file, or
+    torchvision weights with no network) still evaluates and infers with --weights."""
+    import torchvision.models._api as api
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("model.weights was loaded although --weights was given")
+
+    monkeypatch.setattr(api, "load_state_dict_from_url", no_download)
+    root, overrides, image, _ = tool_setup
+    source = str(root / weights) if weights.endswith(".pth") else weights
+    args = _tool_args(tool, root / "good.pth", root, [*overrides, f"model.weights={source}"], image)
+    assert _load_tool(tool).main(args[1:]) == 0
