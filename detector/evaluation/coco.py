@@ -199,7 +199,7 @@ def coco_evaluate(
     results: Any,
     backend: str = "pycocotools",
     check: bool = True,
-    chunk_detections: int = CHUNK_DETECTIONS,
+    chunk_detections: Optional[int] = None,
 ) -> CocoEvalResult:
     """Run ``COCOeval`` on boxes and return the 12 numbers and per-class AP.
 
@@ -210,7 +210,8 @@ def coco_evaluate(
         backend: ``"pycocotools"`` or ``"faster"`` (faster-coco-eval).
         check: check ``results`` against ``gt`` first (fields, and ids that ``gt``
             has; see :mod:`detector.evaluation.results`).
-        chunk_detections: detections per ``COCOeval`` pass (whole categories).
+        chunk_detections: detections per ``COCOeval`` pass (whole categories);
+            None: ``CHUNK_DETECTIONS``.
 
     Returns:
         CocoEvalResult. Empty ``results`` give AP/AR 0 (or -1 where there is no ground
@@ -224,7 +225,7 @@ def coco_evaluate(
     coco_gt = build_coco(gt, backend)
     cat_ids = sorted(int(c) for c in coco_gt.getCatIds())
     evals, evaluator = [], None
-    for chunk in category_chunks(dets.category_id, cat_ids, chunk_detections):
+    for chunk in category_chunks(dets.category_id, cat_ids, chunk_detections or CHUNK_DETECTIONS):
         index = np.flatnonzero(np.isin(dets.category_id, chunk))  # file order kept: the same ties
         part = dets.take(index)
         evaluator = _run_cocoeval(coco_gt, part, index + 1, chunk, backend)
