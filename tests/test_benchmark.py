@@ -81,7 +81,7 @@ def test_train_json_tiny_config(tmp_path, restore_threads):
     assert math.isclose(result["ratio"], expected, rel_tol=1e-9)
     assert result["runs"]["ours_loader"]["data_wait_median_s"] >= 0
     assert result["machine"]["torch_threads"] == 1
-    assert result["ours_step"].endswith("Trainer.run_step")
+    assert result["ours_step"] == "detector.engine.step.TrainStep"
     assert 0 < result["runs"]["ours"]["cpu_median_s"] < 600
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from typing import Any, Dict, Optional
 
 import torch
@@ -12,7 +11,7 @@ from detector.config import Config
 from detector.distributed import resolve_device
 
 from .batches import cached_batches
-from .steps import build_ours, build_train_optimizer, make_train_step, make_trainer_step
+from .steps import build_ours, build_train_optimizer, make_train_step, make_ours_train_step
 from .timing import synchronize
 from .torchvision_ref import build_torchvision_model
 
@@ -35,13 +34,12 @@ def profile_train_step(
     device = resolve_device(cfg.train.device)
     torch.manual_seed(cfg.train.seed)
     batches = cached_batches(cfg, True, 2, synthetic, pin=device.type == "cuda")
-    tmp = tempfile.TemporaryDirectory(prefix="detector_bench_")
     if torchvision_model:
         model = build_torchvision_model(cfg).to(device)
         model.train()
         step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device, True)
     else:
-        step, _ = make_trainer_step(build_ours(cfg, device), cfg, device, tmp.name)
+        step, _ = make_ours_train_step(build_ours(cfg, device), cfg, device)
     for i in range(warmup):
         step(batches[i % len(batches)])
     synchronize(device)
@@ -49,7 +47,6 @@ def profile_train_step(
     with profile(activities=activities) as prof:
         step(batches[0])
         synchronize(device)
-    tmp.cleanup()
     if trace_path:
         prof.export_chrome_trace(trace_path)
     sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"

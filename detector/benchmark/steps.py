@@ -1,19 +1,18 @@
-"""The timed steps: ours (the engine's training step), torchvision's training step as
+"""The timed steps: ours (the engine's ``TrainStep``), torchvision's training step as
 its references/detection loop runs it, and an inference batch."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from detector.config import Config, resolve_amp
-from detector.distributed import DistInfo
-from detector.engine.optim import build_optimizer
-from detector.engine.trainer import Trainer
+from detector.engine.optim import build_lr_scheduler, build_optimizer
+from detector.engine.setup import configure_torch, prepare_model
+from detector.engine.step import TrainStep
 from detector.modeling import build_model
 
 from .batches import Batch
@@ -113,24 +112,26 @@ def make_train_step(
     return step
 
 
-def make_trainer_step(model: nn.Module, cfg: Config, device: torch.device, output_dir: str) -> Tuple[Callable[[Batch], Any], nn.Module]:
-    """The project's real hot loop: ``Trainer.run_step`` (autocast, float32 loss sum,
-    GradScaler, gradient norm, the non-finite check with its one read-back, optimizer
-    and LR scheduler step). The Trainer applies the ``train.*`` speed options itself.
+def make_ours_train_step(model: nn.Module, cfg: Config, device: torch.device) -> Tuple[Callable[[Batch], Any], nn.Module]:
+    """The engine's own training step, ``detector.engine.step.TrainStep`` (autocast,
+    float32 loss sum, GradScaler, gradient norm and clipping, the non-finite check with
+    its one read-back, optimizer and LR scheduler step), on the model as the Trainer
+    prepares it (``configure_torch`` and ``prepare_model``: norm policy, device and the
+    ``train.*`` speed options), with the Trainer's optimizer and scheduler.
 
-    Returns ``(step, model as prepared by the Trainer)``. ``output_dir`` receives the
-    Trainer's config.yaml and an empty metrics.jsonl.
+    Returns ``(step, the prepared model)``; ``step(batch)`` returns the ``StepResult``.
     """
-
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=output_dir, tensorboard=False))
-    trainer = Trainer(cfg, dist_info=DistInfo(0, 1, 0, device), model=model, train_loader=[])
+    configure_torch(cfg)
+    model, _ = prepare_model(model, cfg, device, world_size=1)
+    optimizer = build_optimizer(model, cfg, 1)
+    train_step = TrainStep(model, optimizer, build_lr_scheduler(optimizer, cfg), resolve_amp(cfg.train.amp, device),
+                           cfg.solver.clip_grad_norm, world_size=1)
 
     def step(batch: Batch) -> Any:
         images, targets = batch
-        return trainer.run_step(images, targets)
+        return train_step(images, targets)
 
-    step.trainer = trainer  # type: ignore[attr-defined]  # keeps its writers alive
-    return step, trainer.model
+    return step, model
 
 
 def make_infer_step(model: nn.Module, cfg: Config, device: torch.device, torchvision_api: bool) -> Callable[[Batch], Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -23,7 +22,7 @@ from detector.evaluation.scoring import score_detections
 
 from .batches import cached_batches, cycle_epochs
 from .coco_case import generate_case, pycocotools_direct
-from .steps import apply_speed_options, build_ours, build_train_optimizer, make_infer_step, make_train_step, make_trainer_step
+from .steps import apply_speed_options, build_ours, build_train_optimizer, make_infer_step, make_train_step, make_ours_train_step
 from .timing import Runner, run_interleaved
 from .torchvision_ref import build_torchvision_model, copy_matching_weights
 
@@ -61,7 +60,7 @@ def benchmark_model(
     """Time the training step (``task="train"``) or inference (``"infer"``) of our
     model on batches cached in memory, alternating with torchvision's if asked.
 
-    Ours trains through ``Trainer.run_step`` (the real hot loop, with the ``train.*``
+    Ours trains through the engine's ``TrainStep`` (the real hot loop, with the ``train.*``
     speed options of ``cfg``); torchvision's through :func:`make_train_step`, at its
     defaults unless ``torchvision_options`` (then with the same ``train.*`` options).
     ``same_weights``: copy our weights into torchvision's model where names and shapes
@@ -85,27 +84,26 @@ def benchmark_model(
     out["torchvision_options"] = "same as ours" if torchvision_options else "torchvision defaults"
 
     runners = []
-    with tempfile.TemporaryDirectory(prefix="detector_bench_") as tmp:
-        for name, model in models.items():
-            tv_api = name == "torchvision"
-            if is_train and not tv_api:
-                step, models[name] = make_trainer_step(model, cfg, device, tmp)
-                out["ours_step"] = "detector.engine.trainer.Trainer.run_step"
-            elif is_train:
-                model.train()
-                step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device, tv_api)
-            else:
-                model = apply_speed_options(model, cfg, device) if not tv_api else model
-                model.eval()
-                step = make_infer_step(model, cfg, device, tv_api)
+    for name, model in models.items():
+        tv_api = name == "torchvision"
+        if is_train and not tv_api:
+            step, models[name] = make_ours_train_step(model, cfg, device)
+            out["ours_step"] = "detector.engine.step.TrainStep"
+        elif is_train:
+            model.train()
+            step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device, tv_api)
+        else:
+            model = apply_speed_options(model, cfg, device) if not tv_api else model
+            model.eval()
+            step = make_infer_step(model, cfg, device, tv_api)
 
-            def fn(i: int, step=step) -> int:
-                batch = batches[i % len(batches)]
-                step(batch)
-                return len(batch[0])
+        def fn(i: int, step=step) -> int:
+            batch = batches[i % len(batches)]
+            step(batch)
+            return len(batch[0])
 
-            runners.append(Runner(name, fn, device))
-        run_interleaved(runners, iters, warmup)
+        runners.append(Runner(name, fn, device))
+    run_interleaved(runners, iters, warmup)
     out["runs"] = {r.name: r.summary() for r in runners}
     out["images_per_iter"] = out["runs"]["ours"]["images_per_iter"]
     out["batch_shapes"] = [[list(img.shape) for img in b[0]] for b in batches]
@@ -122,8 +120,7 @@ def benchmark_train_loader(cfg: Config, iters: int, warmup: int) -> Dict[str, An
     torch.manual_seed(cfg.train.seed)
     dataset = build_dataset(cfg, "train", is_train=True)
     loader = build_train_loader(cfg, dataset, 0, 1)
-    tmp = tempfile.TemporaryDirectory(prefix="detector_bench_")
-    step, _ = make_trainer_step(build_ours(cfg, device), cfg, device, tmp.name)
+    step, _ = make_ours_train_step(build_ours(cfg, device), cfg, device)
     waits: List[float] = []
     batches = cycle_epochs(loader)
 
@@ -142,7 +139,6 @@ def benchmark_train_loader(cfg: Config, iters: int, warmup: int) -> Dict[str, An
     summary["data_wait_max_s"] = float(np.max(waits)) if waits else 0.0
     summary["num_workers"] = cfg.data.num_workers
     batches.close()  # shuts the loader's workers down
-    tmp.cleanup()
     return {"runs": {"ours_loader": summary}}
 
 
