@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from detector.evaluation.draw import draw_detections  # noqa: F401  (moved there; hooks import it from here)
+
 logger = logging.getLogger(__name__)
 
 
@@ -171,21 +173,3 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def draw_detections(
-    image: torch.Tensor,
-    gt_boxes: torch.Tensor,
-    pred_boxes: torch.Tensor,
-    pred_labels: List[str],
-) -> torch.Tensor:
-    """Ground truth in green and predictions (with their captions) in red on a uint8
-    ``[3, H, W]`` image; boxes ``[N, 4]`` xyxy pixels of that image. Returns uint8 ``[3, H, W]``."""
-    from torchvision.utils import draw_bounding_boxes
-
-    img = image.to(torch.uint8).cpu()
-    if gt_boxes.numel():
-        img = draw_bounding_boxes(img, gt_boxes.float().cpu(), colors="lime", width=2)
-    if pred_boxes.numel():
-        img = draw_bounding_boxes(img, pred_boxes.float().cpu(), labels=pred_labels, colors="red", width=1)
-    return img

@@ -36,7 +36,7 @@ def plot_pr_curves(
         # Draw the step curve from (0, p0) so a single point is visible too.
         r = np.concatenate([[0.0], recall])
         p = np.concatenate([[precision[0]], precision])
-        ax.step(r, p, where="post", color=cmap(i % 20), linewidth=1.5, label=f"{name} (AP {ap:.3f})")
+        ax.step(r, p, where="post", color=cmap(i % 20), linewidth=1.5, label=f"{name} (VOC area AP {ap:.3f})")
         drawn += 1
     if drawn == 0:
         ax.text(0.5, 0.5, "no detections", ha="center", va="center", fontsize=14, transform=ax.transAxes)

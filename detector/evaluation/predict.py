@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import nn
-from torchvision.utils import draw_bounding_boxes
 
 from detector.data.datasets import DataError, load_image
 
+from .draw import render
 from .inference import model_device, to_original_boxes, unwrap
 
 logger = logging.getLogger(__name__)
@@ -88,18 +88,13 @@ def predict_image(
 
 
 def draw_detections(image: np.ndarray, det: Dict[str, torch.Tensor], class_names: Sequence[str]) -> torch.Tensor:
-    """uint8 [3, H, W] with boxes and ``name score`` captions drawn on ``image``."""
-    tensor = torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
-    if det["boxes"].numel() == 0:
-        return tensor
+    """uint8 [3, H', W'] with boxes and ``name score`` captions drawn on ``image``
+    (uint8 [H, W, 3]); small images scaled up (see :func:`detector.evaluation.draw.render`)."""
     captions = [
         f"{class_names[int(lab) - 1] if 0 < int(lab) <= len(class_names) else lab} {float(s):.2f}"
         for lab, s in zip(det["labels"], det["scores"])
     ]
-    palette = ["red", "lime", "blue", "yellow", "cyan", "magenta", "orange", "white"]
-    colors = [palette[(int(lab) - 1) % len(palette)] for lab in det["labels"]]
-    width = max(1, round(max(image.shape[:2]) / 300))
-    return draw_bounding_boxes(tensor, det["boxes"], labels=captions, colors=colors, width=width)
+    return render(image, det["boxes"], captions).image
 
 
 def predict_files(

@@ -176,7 +176,7 @@ def write_outputs(
         name: (report.voc[c].recall, report.voc[c].precision, report.voc[c].ap_area)
         for c, name in zip(report.cat_ids, report.class_names)
     }
-    paths["pr_curves"] = plot_pr_curves(curves, out / "pr_curves.png", title="Precision-recall per class (VOC matching)")
+    paths["pr_curves"] = plot_pr_curves(curves, out / "pr_curves.png", title="Precision-recall per class (VOC matching; legend: VOC area AP)")
     paths["confusion_matrix"] = plot_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png")
     return paths
 
@@ -214,7 +214,7 @@ def format_table(metrics: Dict[str, float], per_class: Sequence[Dict[str, Any]] 
             lines.append(f"  {k:<22} {_fmt(metrics[k]).strip()}")
     if per_class:
         width = max(8, max(len(str(r["name"])) for r in per_class))
-        lines.append("Per class")
+        lines.append("Per class (AP, AP50: COCO AP @[.50:.95] and @.50; VOC07: 11-point; VOCarea: VOC area AP)")
         head = f"  {'class':<{width}} {'id':>5} {'gt':>6} {'dets':>7} {'AP':>6} {'AP50':>6} {'VOC07':>6} {'VOCarea':>7}"
         lines.append(head)
         for r in per_class:

@@ -1,0 +1,44 @@
+"""Detection drawings: captions on filled backgrounds, inside the image, small images
+scaled up, ground truth and predictions in their own colours with a legend."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from detector.evaluation.draw import GT_COLOR, PRED_COLOR, draw_detections, render
+
+
+def test_labels_stay_inside_a_64px_image():
+    image = torch.full((3, 64, 64), 90, dtype=torch.uint8)
+    pred = torch.tensor([[2.0, 1.0, 20.0, 30.0], [50.0, 30.0, 63.0, 60.0]])  # the second at the right edge
+    gt = torch.tensor([[40.0, 0.0, 64.0, 20.0]])
+    drawing = render(image, pred, ["circle 0.97", "rectangle 0.88"], gt_boxes=gt, gt_labels=["triangle"])
+    out = drawing.image.permute(1, 2, 0).numpy()
+    h, w = drawing.image_height, out.shape[1]
+    assert drawing.scale >= 5 and min(h, w) >= 320  # scaled up so the text can be read
+    assert len(drawing.label_boxes) == 3
+    for (x1, y1, x2, y2), color in zip(drawing.label_boxes, [GT_COLOR, PRED_COLOR, PRED_COLOR]):
+        assert 0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h, (x1, y1, x2, y2)
+        patch = out[y1:y2, x1:x2]
+        filled = (patch == np.array(color, dtype=np.uint8)).all(axis=-1)
+        text = (patch == 0).all(axis=-1)
+        assert filled.mean() > 0.3 and text.any()  # a filled background with text on it
+    # The caption of the box at the right edge was moved left to stay inside.
+    x1, _, x2, _ = drawing.label_boxes[2]
+    assert x2 == w and x1 < 50 * drawing.scale
+    # The legend band under the image shows both colours.
+    band = out[h:]
+    for color in (GT_COLOR, PRED_COLOR):
+        assert (band == np.array(color, dtype=np.uint8)).all(axis=-1).any()  # the legend has both
+
+
+def test_engine_entry_point_draws_the_same():
+    from detector.engine.log import draw_detections as from_engine
+
+    image = torch.randint(0, 255, (3, 48, 80), dtype=torch.uint8)
+    gt = torch.tensor([[5.0, 5.0, 30.0, 30.0]])
+    pred = torch.tensor([[6.0, 4.0, 31.0, 29.0]])
+    a = draw_detections(image, gt, pred, ["dog 0.50"])
+    assert from_engine is draw_detections
+    assert a.dtype == torch.uint8 and a.shape[0] == 3 and a.shape[1] > 48 * 6
