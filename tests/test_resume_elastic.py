@@ -27,6 +27,9 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
+from conftest import TINY_CONFIG, tiny_config, tiny_overrides
+from detector.data.shapes import ensure_shapes
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "tools" / "train.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -37,29 +40,17 @@ TIMEOUT = 300
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 
-def tiny_overrides(data_root: Path) -> List[str]:
-    """The tiny model at 56-72 px on 8 generated images, random flips and sizes."""
-    return [
-        f"data.train.root={data_root}", f"data.val.root={data_root}",
-        "data.shapes.num_train=8", "data.shapes.num_val=4", "data.shapes.min_side=64", "data.shapes.max_side=96",
-        "data.num_workers=0", "input.min_size_train=[56,64,72]", "input.max_size_train=96",
-        "input.min_size_test=64", "input.max_size_test=96", "input.hflip_prob=0.5",
-        "model.fpn_channels=32", "model.gn_groups=8", "roi_heads.representation_size=64",
-        "rpn.batch_size_per_image=64", "roi_heads.batch_size_per_image=32",
-        "rpn.pre_nms_topk_train=200", "rpn.post_nms_topk_train=100",
-        "solver.images_per_gpu=2", "solver.reference_batch_size=2", "solver.lr=0.01",
-        "solver.warmup_iters=2", "solver.steps=[4]", f"solver.max_iter={MAX_ITER}",
-        "train.device=cpu", "train.seed=5", "train.deterministic=true", "train.log_period=1",
-        "train.eval_period=-1", "train.checkpoint_period=2", "train.tensorboard=false",
-    ]
+# The shared tiny model, with what these tests are about: random flips and sizes, and a
+# periodic checkpoint for the elastic restart to resume from.
+RUN_OVERRIDES = ["input.min_size_train=[56,64,72]", "input.hflip_prob=0.5", f"solver.max_iter={MAX_ITER}",
+                 "train.checkpoint_period=2"]
 
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
-    from detector.data.shapes import ensure_shapes
-
     root = tmp_path_factory.mktemp("shapes") / "data"
-    ensure_shapes(root, 8, 4, 0, 64, 96)  # once, before any process starts
+    s = tiny_config(root).data.shapes
+    ensure_shapes(root, s.num_train, s.num_val, s.seed, s.min_side, s.max_side)  # once, before any process starts
     return root
 
 
@@ -70,8 +61,8 @@ def env() -> Dict[str, str]:
 def train_cmd(data_root: Path, out: Path, *extra: str, launcher: Optional[List[str]] = None) -> List[str]:
     """``[launcher] tools/train.py --config tiny ... --output-dir out`` (``--resume`` goes last)."""
     head = launcher if launcher is not None else [sys.executable]
-    return [*head, TRAIN, "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--output-dir", str(out),
-            *tiny_overrides(data_root), *extra]
+    return [*head, TRAIN, "--config", str(TINY_CONFIG), "--output-dir", str(out),
+            *tiny_overrides(data_root, None, *RUN_OVERRIDES, *extra)]
 
 
 def torchrun(*args: str) -> List[str]:
