@@ -173,3 +173,25 @@ def test_data_task_json(tmp_path):
     result = json.loads(out.read_text())
     _check_run(result["runs"]["loader"], 3)
     assert result["runs"]["loader"]["images_per_iter"] == load_config(TINY).solver.images_per_gpu
+
+
+def test_count_ops_json(tmp_path, restore_threads):
+    out = tmp_path / "ops.json"
+    rc = _load_tool().main([
+        "--config", str(TINY), "--task", "train", "--iters", "1", "--warmup", "1", "--num-batches", "2",
+        "--no-loader", "--count-ops", "--threads", "1", "--json", str(out), "train.device=cpu",
+        f"data.train.root={tmp_path / 'shapes'}", f"data.val.root={tmp_path / 'shapes'}",
+        "data.shapes.num_train=4", "data.shapes.num_val=2", "solver.images_per_gpu=2",
+    ])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    for key in ("ops_per_step", "host_syncs_per_step", "nonzero_per_step"):
+        assert set(result[key]) == {"ours", "torchvision"}, key
+        assert all(isinstance(v, int) and v >= 0 for v in result[key].values()), key
+    # A detector's training step dispatches thousands of aten ops; both steps read at
+    # least one scalar back (ours: the non-finite flags; torchvision's loop: the loss).
+    assert all(v > 500 for v in result["ops_per_step"].values())
+    assert all(v >= 1 for v in result["host_syncs_per_step"].values())
+    assert "profile" not in result  # --count-ops alone keeps the JSON small
+    with pytest.raises(ValueError, match="--count-ops applies to --task train"):
+        run_benchmark(load_config(None), "infer", count_ops=True)

@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--synthetic", action="store_true", help="random batches at the input size, not the data set")
     p.add_argument("--num-batches", type=int, default=4, help="distinct batches cached in memory (default 4)")
     p.add_argument("--profile", action="store_true", help="train: torch.profiler summary of one step")
+    p.add_argument("--count-ops", action="store_true",
+                   help="train: aten ops and host syncs per step, ours and torchvision's (torch.profiler)")
     p.add_argument("--torchvision-options", action="store_true",
                    help="give torchvision's model our train.* speed options too (default: its defaults)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: PyTorch's choice)")
@@ -77,6 +79,7 @@ def main(argv=None) -> int:
         synthetic=args.synthetic,
         num_batches=args.num_batches,
         profile=args.profile,
+        count_ops=args.count_ops,
         gt_file=args.gt,
         results_file=args.results,
         eval_images=args.eval_images,

@@ -16,6 +16,24 @@ from .timing import synchronize
 from .torchvision_ref import build_torchvision_model
 
 
+# Device-to-host read-backs the profiler shows: every scalar read (``.item()``,
+# ``float(t)``, ``bool(t)``, ``if t:``) dispatches ``aten::_local_scalar_dense``; on CUDA
+# a stream synchronisation (``.cpu()``, ``.tolist()``, ``nonzero`` sizing) appears as
+# ``cudaStreamSynchronize``. The benchmark's own ``torch.cuda.synchronize`` after the
+# step is a ``cudaDeviceSynchronize`` and is not counted.
+SYNC_EVENTS = ("aten::_local_scalar_dense", "cudaStreamSynchronize")
+
+
+def count_ops(events: Any) -> Dict[str, int]:
+    """Counts over the profiler's ``key_averages()`` of one step: ``aten_ops`` (every
+    ``aten::`` operator dispatched, nested calls included), ``host_syncs`` (the
+    ``SYNC_EVENTS``) and ``nonzero`` (``aten::nonzero`` calls: a sync on CUDA)."""
+    aten = sum(int(e.count) for e in events if e.key.startswith("aten::"))
+    syncs = sum(int(e.count) for e in events if e.key in SYNC_EVENTS)
+    nonzero = sum(int(e.count) for e in events if e.key == "aten::nonzero")
+    return {"aten_ops": aten, "host_syncs": syncs, "nonzero": nonzero}
+
+
 def profile_train_step(
     cfg: Config,
     warmup: int = 2,
@@ -28,7 +46,7 @@ def profile_train_step(
 
     Returns ``top_ops``: the ``row_limit`` operators with the largest self time (CPU,
     or CUDA on a GPU) as dicts (name, self/total time in ms, calls, share of the step),
-    and ``table``: the profiler's own text table.
+    ``counts`` (:func:`count_ops`) and ``table``: the profiler's own text table.
     """
 
     device = resolve_device(cfg.train.device)
@@ -68,5 +86,6 @@ def profile_train_step(
         "model": "torchvision" if torchvision_model else "ours",
         "step_self_ms": round(total / 1000.0, 3),
         "top_ops": top,
+        "counts": count_ops(events),
         "table": events.table(sort_by=sort_key, row_limit=row_limit),
     }

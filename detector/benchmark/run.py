@@ -16,7 +16,7 @@ from detector.data import DataError, resolve_num_classes
 from detector.distributed import resolve_device
 
 from .memory import measure_command_memory
-from .profiling import profile_train_step
+from .profiling import SYNC_EVENTS, profile_train_step
 from .tasks import benchmark_data, benchmark_eval, benchmark_model, benchmark_train_loader
 from .timing import machine_info
 
@@ -56,6 +56,7 @@ def run_benchmark(
     eval_images: int = 500,
     eval_boxes: int = 30,
     command: Optional[List[str]] = None,
+    count_ops: bool = False,
 ) -> Dict[str, Any]:
     """Run one benchmark task and return its JSON-ready result.
 
@@ -72,6 +73,8 @@ def run_benchmark(
         threads: ``torch.set_num_threads`` (0: leave PyTorch's default).
         eval_images, eval_boxes: size of the generated case of ``task="eval"``.
         command: ``task="memory"``: the command line whose process tree is measured.
+        count_ops: train: add ``ops_per_step`` and ``host_syncs_per_step`` (ours and
+            torchvision's) from ``torch.profiler`` over one step after warm-up.
 
     Returns a dict with ``task``, ``config``, ``machine``, ``iters``, ``warmup``,
     ``runs`` (name -> :func:`summarize_times` fields plus ``peak_memory_bytes``,
@@ -84,6 +87,8 @@ def run_benchmark(
         raise ValueError(f"--iters must be >= 1, got {iters}")
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    if count_ops and task != "train":
+        raise ValueError(f"--count-ops applies to --task train, not {task!r}")
     if compare_torchvision and task not in ("train", "infer"):
         raise ValueError(f"--compare-torchvision applies to --task train or infer, not {task!r}")
     if threads < 0:
@@ -120,10 +125,19 @@ def run_benchmark(
         )
         if task == "train" and loader and not synthetic:
             result["runs"].update(benchmark_train_loader(cfg, iters, warmup)["runs"])
-        if task == "train" and profile:
-            result["profile"] = {"ours": profile_train_step(cfg, synthetic=synthetic)}
-            if compare_torchvision:
-                result["profile"]["torchvision"] = profile_train_step(cfg, synthetic=synthetic, torchvision_model=True)
+        if task == "train" and (profile or count_ops):
+            profiles = {"ours": profile_train_step(cfg, synthetic=synthetic)}
+            if compare_torchvision or count_ops:
+                profiles["torchvision"] = profile_train_step(cfg, synthetic=synthetic, torchvision_model=True)
+            if profile:
+                result["profile"] = profiles
+            if count_ops:
+                result["ops_per_step"] = {k: p["counts"]["aten_ops"] for k, p in profiles.items()}
+                result["host_syncs_per_step"] = {k: p["counts"]["host_syncs"] for k, p in profiles.items()}
+                result["nonzero_per_step"] = {k: p["counts"]["nonzero"] for k, p in profiles.items()}
+                result["ops_counted"] = ("aten:: operators dispatched (nested included) and host syncs ("
+                                         + ", ".join(SYNC_EVENTS) + ") in one training step after warm-up, "
+                                         "by torch.profiler")
     elif task == "data":
         result.update(benchmark_data(cfg, iters, warmup))
     elif task == "memory":
@@ -168,6 +182,9 @@ def format_summary(result: Dict[str, Any]) -> str:
             f"{m['peak_tree_rss_bytes'] / 2**30:.2f} GiB, peak tree PSS {m['peak_tree_pss_bytes'] / 2**30:.2f} GiB, "
             f"largest process {m['peak_largest_process_rss_bytes'] / 2**30:.2f} GiB"
         )
+    if "ops_per_step" in result:
+        lines.append(f"  aten ops per step: {result['ops_per_step']}; host syncs per step: "
+                     f"{result['host_syncs_per_step']}; nonzero per step: {result['nonzero_per_step']}")
     for name, prof in (result.get("profile") or {}).items():
         lines.append(f"  profile ({name}), one training step, top operators by self time:")
         for op in prof["top_ops"]:
