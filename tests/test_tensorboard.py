@@ -55,3 +55,17 @@ def test_event_files_hold_scalars_images_and_config(tmp_path):
     img = ea.Images("val/detections_0")[-1]
     assert img.step == 2 and img.width > 0 and img.height > 0
     assert any(t.startswith("config") for t in tags["tensors"])
+    # Per class: a PR curve (counts, precision, recall at 101 thresholds) and the COCO AP.
+    from tensorboard.util import tensor_util
+
+    from detector.data.shapes import CLASS_NAMES
+
+    for name in CLASS_NAMES:
+        assert f"eval/pr_curve/{name}" in tags["tensors"], tags["tensors"]
+        curve = tensor_util.make_ndarray(ea.Tensors(f"eval/pr_curve/{name}")[-1].tensor_proto)
+        assert curve.shape == (6, 101)  # TP, FP, TN, FN, precision, recall
+        tp, fp, fn, recall = curve[0], curve[1], curve[3], curve[5]
+        assert (tp + fn == tp[0] + fn[0]).all() and (fp >= 0).all()  # every object counted at every threshold
+        assert ((recall >= 0) & (recall <= 1)).all()
+        assert f"eval/AP_per_class/{name}" in scalars
+        assert ea.Scalars(f"eval/AP_per_class/{name}")[-1].step == 2

@@ -53,6 +53,7 @@ from detector.engine.run_folder import RunFolder
 from detector.engine.setup import apply_norm_policy, configure_torch, prepare_model  # noqa: F401 (apply_norm_policy: public here too)
 from detector.engine.step import StepResult, TrainStep
 from detector.evaluation import evaluate as default_evaluate
+from detector.evaluation.tensorboard import write_report
 from detector.modeling import FasterRCNN, build_model
 from detector.modeling.summary import default_image_size, format_summary, write_summary
 from detector.modeling.weights import load_initial_weights
@@ -261,6 +262,9 @@ class Trainer:
                 self._val_dataset = build_dataset(self.cfg, "val", False)
             out = self.output_dir / "eval" / f"iter_{iteration:07d}"
             metrics = self._evaluate_fn(model, self._val_dataset, self.cfg, output_dir=out if self.is_main else None)
+            report = getattr(metrics, "report", None)  # per-class curves (detector.evaluation.evaluate)
+            if self.is_main and self.writers.tb is not None and report is not None:
+                write_report(self.writers.tb.writer, report, iteration)
             if self.is_main and self.writers.tb is not None and self.cfg.train.vis_images > 0:
                 log_detections(model, self._val_dataset, self.writers.tb, iteration, self.cfg.train.vis_images,
                                self.cfg.eval.score_thresh, dataclasses.replace(self.amp, enabled=self.amp.enabled and self.cfg.eval.amp))

@@ -17,9 +17,18 @@ from torch import nn
 from ..config import amp_dtype as resolve_amp_dtype
 from ..distributed import all_gather_object, get_rank, get_world_size
 from .inference import LOSS_NAMES, array_to_detections, compute_val_loss, run_inference
-from .scoring import format_table, score_detections, write_outputs
+from .scoring import ScoreReport, format_table, score_detections, write_outputs
 
 logger = logging.getLogger(__name__)
+
+
+class EvalMetrics(dict):
+    """The flat metrics dict, with the full :class:`ScoreReport` as ``.report`` (per-class
+    curves, for TensorBoard)."""
+
+    def __init__(self, metrics: Dict[str, float], report: Optional[ScoreReport] = None) -> None:
+        super().__init__(metrics)
+        self.report = report
 
 
 def _check_coverage(dataset_ids: List[int], gathered_ids: List[int]) -> None:
@@ -104,4 +113,4 @@ def evaluate(
     )  # fmt: skip
     if output_dir is not None:
         write_outputs(report, results, output_dir, extra_metrics=timing)
-    return metrics
+    return EvalMetrics(metrics, report)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
@@ -42,6 +42,8 @@ class VOCClassResult:
     num_gt: int
     num_det: int
     num_tp: int
+    scores: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    flags: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
 
 
 VOC07_THRESHOLDS = ("exact", "numpy_arange")
@@ -219,6 +221,8 @@ def voc_evaluate_arrays(
             num_gt=npos,
             num_det=int(np.count_nonzero(f >= 0)),
             num_tp=int(tp[-1]) if len(tp) else 0,
+            scores=dt_scores[curve[lo:hi]],
+            flags=f,
         )
     return out
 
