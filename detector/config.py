@@ -215,6 +215,9 @@ class AMPConfig:
 class TrainConfig:
     output_dir: str = "runs/default"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # auto: NCCL on CUDA, gloo on CPU. gloo on CUDA lets ranks share GPUs (rank r on
+    # cuda:(LOCAL_RANK mod GPU count)), e.g. to test DDP + SyncBN on one GPU.
+    dist_backend: str = "auto"  # auto | nccl | gloo
     seed: int = 42
     deterministic: bool = False
     amp: AMPConfig = field(default_factory=AMPConfig)
@@ -389,6 +392,7 @@ _CHOICES = {
     "solver.optimizer": ("sgd", "adamw"),
     "solver.schedule": ("multistep", "cosine"),
     "train.amp.dtype": ("auto", "float16", "bfloat16"),
+    "train.dist_backend": ("auto", "nccl", "gloo"),
     "eval.backend": ("pycocotools", "faster"),
     "eval.voc07_thresholds": ("exact", "numpy_arange"),
 }

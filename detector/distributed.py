@@ -7,8 +7,12 @@ Launch modes understood by ``init_distributed``:
 - SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, with the
   master address taken from ``MASTER_ADDR`` or the first host of ``SLURM_NODELIST``.
 
-The backend is NCCL when the device is CUDA and gloo otherwise. Every helper works
-(as the identity, or a no-op) when no process group is initialised.
+Backend (``train.dist_backend``): ``auto`` is NCCL on CUDA and gloo on the CPU. NCCL
+needs one GPU per rank: rank ``r`` of a node uses ``cuda:LOCAL_RANK``, and a launch with
+more ranks per node than GPUs stops before any work with one line that says so. gloo on
+CUDA lets ranks share GPUs (rank ``r`` uses ``cuda:(LOCAL_RANK mod GPU count)``), e.g. to
+test DDP and SyncBatchNorm on one GPU. Every helper works (as the identity, or a no-op)
+when no process group is initialised.
 
 Faults: ``lost_rank_message`` turns the error a collective raises when a peer process
 died into one line naming the lost rank. Under ``torchrun --max-restarts`` on one node,
@@ -32,6 +36,26 @@ import torch
 import torch.distributed as dist
 
 
+BACKENDS = ("auto", "nccl", "gloo")
+
+# A rank that stops because another rank of its node has no GPU waits this long before
+# exiting, so that the rank that reports the problem prints its line before the launcher
+# (torchrun) stops the others.
+QUIET_STOP_WAIT_S = 10.0
+
+
+class LaunchError(RuntimeError):
+    """The launch asks for something this machine cannot give (one-line message).
+
+    ``report`` is False on the ranks that stop because another rank reports the problem:
+    one line in all, printed by the rank that reports.
+    """
+
+    def __init__(self, message: str, report: bool = True) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 @dataclass(frozen=True)
 class DistInfo:
     rank: int
@@ -39,6 +63,20 @@ class DistInfo:
     local_rank: int
     device: torch.device
     peers: Tuple[Tuple[str, int], ...] = ()  # (host name, process id) of each rank, when distributed
+    backend: str = ""  # "nccl" / "gloo"; "" without a process group
+    local_world_size: int = 1
+    shared_gpus: int = 0  # >0: gloo ranks share this many GPUs (more local ranks than GPUs)
+
+    def describe(self) -> str:
+        """One line for the log: world size, backend, this rank's device, and how the
+        ranks of a node map onto shared GPUs."""
+        text = f"rank {self.rank} of {self.world_size} on {self.device}"
+        if self.backend:
+            text += f" (backend {self.backend})"
+        if self.shared_gpus:
+            text += (f"; {self.local_world_size} ranks per node share {self.shared_gpus} GPU(s): "
+                     f"rank r uses cuda:(LOCAL_RANK mod {self.shared_gpus})")
+        return text
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -60,11 +98,52 @@ def _slurm_master_addr() -> str:
         return nodelist.split(",")[0].split("[")[0]
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> ``cuda:<local_rank>`` when CUDA is available, else ``cpu``.
+def resolve_backend(backend: str, device_type: str) -> str:
+    """``train.dist_backend`` for a device type: ``auto`` -> ``nccl`` on CUDA, ``gloo`` otherwise.
 
-    ``cuda`` (no index) also becomes ``cuda:<local_rank>``. Asking for CUDA on a
-    machine without it is an error, not a silent fallback.
+    NCCL runs on CUDA only: asking for it with a CPU device is an error.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"config key 'train.dist_backend' is {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl" and device_type != "cuda":
+        raise ValueError(f"train.dist_backend=nccl needs CUDA, but the device is {device_type}; "
+                         "use train.dist_backend=gloo (or auto) on the CPU")
+    return backend
+
+
+def cuda_index_for_rank(local_rank: int, local_world_size: int, device_count: int, backend: str) -> int:
+    """The CUDA device index of the rank with ``local_rank`` on a node with ``device_count``
+    GPUs and ``local_world_size`` ranks (``--nproc_per_node``).
+
+    - ``gloo``: ``local_rank mod device_count`` (ranks may share a GPU);
+    - ``nccl``: ``local_rank``; with more ranks than GPUs every rank of the node raises
+      ``LaunchError`` (only the first rank without a GPU with ``report=True``).
+    """
+    if device_count < 1:
+        raise LaunchError("CUDA is available but no GPU is visible (CUDA_VISIBLE_DEVICES?)")
+    if backend == "gloo":
+        return local_rank % device_count
+    local_world_size = max(local_world_size, local_rank + 1)
+    if local_world_size > device_count:
+        last = local_world_size - 1
+        ranks = f"LOCAL_RANK {device_count}" + (f"..{last}" if last > device_count else "")
+        raise LaunchError(
+            f"{ranks} has no GPU: {device_count} GPU(s) seen but --nproc_per_node {local_world_size} asked for; "
+            f"run at most {device_count} processes per node (--nproc_per_node {device_count}), "
+            "or set train.dist_backend=gloo to let ranks share GPUs (for testing)",
+            report=local_rank == device_count,
+        )
+    return local_rank
+
+
+def resolve_device(name: str, local_rank: int = 0, backend: str = "auto", local_world_size: int = 1) -> torch.device:
+    """``auto`` -> CUDA when available, else ``cpu``. ``cuda`` (no index) becomes this
+    rank's GPU (``cuda_index_for_rank``); an explicit ``cuda:N`` is kept.
+
+    Asking for CUDA on a machine without it is an error, not a silent fallback.
+    Nothing touches a GPU before the checks pass.
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,15 +152,20 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         if not torch.cuda.is_available():
             raise RuntimeError(f"train.device={name!r} but CUDA is not available on this machine; use 'cpu' or 'auto'")
         if device.index is None:
-            device = torch.device("cuda", local_rank)
+            index = cuda_index_for_rank(local_rank, local_world_size, torch.cuda.device_count(),
+                                        resolve_backend(backend, "cuda"))
+            device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     return device
 
 
-def init_distributed(device_name: str = "auto", timeout_minutes: int = 30) -> DistInfo:
+def init_distributed(device_name: str = "auto", timeout_minutes: int = 30, backend: str = "auto") -> DistInfo:
     """Initialise the default process group from the environment, if launched so.
 
-    Returns rank, world size, local rank and the device this process should use.
+    ``backend`` is ``train.dist_backend`` (``auto``, ``nccl`` or ``gloo``). Returns rank,
+    world size, local rank, the device this process should use and the backend.
+    Raises ``LaunchError`` before any collective when this node has fewer GPUs than
+    NCCL ranks; a rank that does not report it waits ``QUIET_STOP_WAIT_S`` first.
     """
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
@@ -89,11 +173,20 @@ def init_distributed(device_name: str = "auto", timeout_minutes: int = 30) -> Di
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     world_size = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
-    device = resolve_device(device_name, local_rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", default=local_rank + 1)
+    try:
+        device = resolve_device(device_name, local_rank, backend, local_world_size)
+    except LaunchError as exc:
+        if not exc.report:
+            time.sleep(QUIET_STOP_WAIT_S)
+        raise
+    resolved = resolve_backend(backend, device.type)
+    shared = 0
+    if device.type == "cuda" and resolved == "gloo" and local_world_size > torch.cuda.device_count():
+        shared = torch.cuda.device_count()
     if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: Dict[str, Any] = {}
-        if device.type == "cuda":
+        if resolved == "nccl":
             kwargs["device_id"] = device
         timeout = timedelta(minutes=timeout_minutes)
         store = _restart_store(timeout)
@@ -101,11 +194,13 @@ def init_distributed(device_name: str = "auto", timeout_minutes: int = 30) -> Di
             kwargs["store"] = store
         else:
             kwargs["init_method"] = "env://"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        dist.init_process_group(backend=resolved, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     peers: Tuple[Tuple[str, int], ...] = ()
     if world_size > 1:
         peers = tuple(tuple(p) for p in all_gather_object((socket.gethostname(), os.getpid())))
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, peers=peers)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, peers=peers,
+                    backend=resolved if world_size > 1 else "", local_world_size=local_world_size,
+                    shared_gpus=shared if world_size > 1 else 0)
 
 
 def _restart_store(timeout: timedelta) -> Optional[dist.Store]:

@@ -72,12 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         check_output_dir(cfg.train.output_dir)
-        info = distributed.init_distributed(cfg.train.device)
+        info = distributed.init_distributed(cfg.train.device, backend=cfg.train.dist_backend)
         rank = info.rank
         setup_logging(None, rank)  # console only until the run folder is ours
         with RunFolder.open(cfg.train.output_dir, args.resume, args.overwrite, rank == 0, info.world_size) as folder:
             setup_logging(cfg.train.output_dir, rank)
+            logger.info("process: %s", info.describe())
             result = train(cfg, resume=args.resume, dist_info=info, run_folder=folder)
+    except distributed.LaunchError as exc:  # e.g. more NCCL ranks than GPUs: one line from one rank
+        if exc.report:
+            print(f"error: {exc}", file=sys.stderr)
+        return 1
     except EXPECTED_ERRORS as exc:
         logger.debug("stopped with an error", exc_info=True)  # the traceback goes to log.txt only
         print(f"error: {exc}", file=sys.stderr)

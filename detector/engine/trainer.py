@@ -107,7 +107,7 @@ class Trainer:
         if cfg.solver.max_iter <= 0:
             raise ValueError(f"solver.max_iter must be > 0, got {cfg.solver.max_iter}")
         self.cfg = cfg
-        self.dist = dist_info or init_distributed(cfg.train.device)
+        self.dist = dist_info or init_distributed(cfg.train.device, backend=cfg.train.dist_backend)
         self.device = self.dist.device
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.is_main = self.rank == 0
