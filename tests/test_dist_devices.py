@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from detector.config import ConfigError, load_config
-from detector.engine import distributed
-from detector.engine.distributed import (
+from detector import distributed
+from detector.distributed import (
     DistInfo,
     LaunchError,
     cuda_index_for_rank,
