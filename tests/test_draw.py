@@ -4,6 +4,7 @@ scaled up, ground truth and predictions in their own colours with a legend."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from detector.evaluation.draw import GT_COLOR, PRED_COLOR, draw_detections, render
@@ -42,3 +43,25 @@ def test_engine_entry_point_draws_the_same():
     a = draw_detections(image, gt, pred, ["dog 0.50"])
     assert from_engine is draw_detections
     assert a.dtype == torch.uint8 and a.shape[0] == 3 and a.shape[1] > 48 * 6
+
+
+@pytest.mark.parametrize("num_classes", [3, 20, 80])
+def test_pr_plot_is_readable_at_3_20_80_classes(tmp_path, num_classes):
+    from PIL import Image
+
+    from detector.evaluation.plots import plot_pr_curves
+
+    rng = np.random.default_rng(0)
+    curves = {}
+    for k in range(num_classes):
+        n = int(rng.integers(1, 40))
+        recall = np.sort(rng.random(n))
+        curves[f"class_{k}"] = (recall, np.sort(rng.random(n))[::-1], float(rng.random()))
+    curves["empty"] = (np.zeros(0), np.zeros(0), float("nan"))
+    path = plot_pr_curves(curves, tmp_path / "pr.png", ap_kind="VOC area AP")
+    with Image.open(path) as img:
+        w, h = img.size
+    # One panel per class beyond 10 classes: the figure grows with the class count
+    # (about 210 x 190 px per panel), so labels keep their size.
+    cols = int(np.ceil(np.sqrt(len(curves))))
+    assert w >= (900 if len(curves) <= 10 else 200 * cols)

@@ -176,7 +176,8 @@ def write_outputs(
         name: (report.voc[c].recall, report.voc[c].precision, report.voc[c].ap_area)
         for c, name in zip(report.cat_ids, report.class_names)
     }
-    paths["pr_curves"] = plot_pr_curves(curves, out / "pr_curves.png", title="Precision-recall per class (VOC matching; legend: VOC area AP)")
+    paths["pr_curves"] = plot_pr_curves(curves, out / "pr_curves.png", title="Precision-recall per class (VOC matching)",
+                                         ap_kind="VOC area AP")
     paths["confusion_matrix"] = plot_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png")
     return paths
 
