@@ -15,6 +15,9 @@ torchvision's ``bilinear_interpolate_gradient``: a point with ``y < -1``, ``y > 
 ``x < -1`` or ``x > W`` contributes nothing; otherwise it is clamped to ``>= 0``, and a
 point at or past the last row/column uses that row/column for both corners.
 
+Over several FPN levels (``multi_level_roi_align``) the backward is one product for all
+levels: the rows of ``S`` run over the levels' feature maps one after the other.
+
 The forward is torchvision's op itself (outputs bit-identical). CUDA tensors, dtypes
 other than float32/float64 (e.g. under bfloat16 autocast) and ``sampling_ratio <= 0``
 (adaptive grid, a different count per box) use torchvision's op for both passes.
@@ -22,7 +25,7 @@ other than float32/float64 (e.g. under bfloat16 autocast) and ``sampling_ratio <
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import List, Sequence, Tuple, Union
 
 import torch
 import torchvision  # noqa: F401  (registers torch.ops.torchvision)
@@ -129,3 +132,124 @@ def roi_align(input: Tensor, boxes: Tensor, output_size: Union[int, Tuple[int, i
     rois = boxes.to(input.dtype) if boxes.dtype != input.dtype else boxes
     return _RoIAlignSparseBackward.apply(input, rois, float(spatial_scale), int(ph), int(pw),
                                          int(sampling_ratio), bool(aligned))
+
+
+def _axis(start: Tensor, roi_size: Tensor, bins: int, sr: int, size_f: Tensor, size_i: Tensor) -> Tuple[Tensor, Tensor]:
+    """Bilinear corners along one axis for RoIs of per-RoI feature size ``size`` (``[R]``
+    float and int64): indices ``[R, bins, sr, 2]`` (low, high) and their weights."""
+    dtype = start.dtype
+    bin_size = (roi_size / bins)[:, None, None]
+    p = torch.arange(bins, dtype=dtype, device=start.device)[None, :, None]
+    i = torch.arange(sr, dtype=dtype, device=start.device)[None, None, :]
+    # Same operation order as torchvision: start + p * bin + (i + .5) * bin / sr.
+    c = start[:, None, None] + p * bin_size + (i + 0.5) * bin_size / sr
+    size_f, last_i = size_f[:, None, None], (size_i - 1)[:, None, None]
+    inside = (c >= -1.0) & (c <= size_f)
+    c = c.clamp(min=0.0)
+    low = c.long()
+    last = low >= last_i
+    low = torch.minimum(low, last_i)
+    high = torch.where(last, low, low + 1)
+    low_f = low.to(dtype)
+    frac = torch.where(last, 0.0, c - low_f)
+    index = torch.stack((low, high), dim=-1)
+    weight = torch.stack((1.0 - frac, frac), dim=-1) * inside[..., None]
+    return index, weight
+
+
+def multi_level_sampling_matrix(
+    rois: Tensor, levels: Tensor, scales: Sequence[float], shapes: Sequence[Tuple[int, int, int, int]],
+    pooled: Tuple[int, int], sampling_ratio: int, aligned: bool,
+) -> Tensor:
+    """The RoIAlign weights of RoIs pooled from several levels, as one sparse COO matrix
+    ``[sum_l N*H_l*W_l, R*PH*PW]`` (rows: level 0's ``[N, H, W]`` positions, then level 1's, ...).
+
+    Args:
+        rois: ``[R, 5]`` float ``(batch_index, x1, y1, x2, y2)`` in image pixels.
+        levels: ``[R]`` int64 index into ``scales``/``shapes`` of each RoI's level.
+        scales: per level, feature-map size / image size.
+        shapes: per level ``(N, C, H, W)``.
+    """
+    ph_n, pw_n = pooled
+    sr = sampling_ratio
+    dtype, device = rois.dtype, rois.device
+    num = rois.shape[0]
+    bases, rows = [], 0
+    for n, _, h, w in shapes:
+        bases.append(rows)
+        rows += n * h * w
+    table_f = torch.tensor([[s, h, w] for s, (_, _, h, w) in zip(scales, shapes)], dtype=dtype, device=device)[levels]
+    table_i = torch.tensor([[h, w, b] for (_, _, h, w), b in zip(shapes, bases)], dtype=torch.int64, device=device)[levels]
+    scale, height_f, width_f = table_f.unbind(1)
+    height, width, base = table_i.unbind(1)
+    offset = 0.5 if aligned else 0.0
+    box = rois[:, 1:] * scale[:, None] - offset  # [R, 4]
+    x1, y1 = box[:, 0], box[:, 1]
+    roi_w, roi_h = box[:, 2] - x1, box[:, 3] - y1
+    if not aligned:  # torchvision forces malformed boxes to 1x1
+        roi_w = roi_w.clamp(min=1.0)
+        roi_h = roi_h.clamp(min=1.0)
+    yi, wy = _axis(y1, roi_h, ph_n, sr, height_f, height)
+    xi, wx = _axis(x1, roi_w, pw_n, sr, width_f, width)
+    # Broadcast to [R, PH, PW, sr_y, sr_x, 2 (y corner), 2 (x corner)].
+    start = (base + rois[:, 0].long() * (height * width)).view(-1, 1, 1, 1, 1, 1, 1)
+    flat = start + yi[:, :, None, :, None, :, None] * width.view(-1, 1, 1, 1, 1, 1, 1) + xi[:, None, :, None, :, None, :]
+    weight = wy[:, :, None, :, None, :, None] * wx[:, None, :, None, :, None, :] / float(sr * sr)
+    column = torch.arange(num * ph_n * pw_n, device=device).view(num, ph_n, pw_n, 1, 1, 1, 1).expand_as(flat)
+    indices = torch.stack((flat.reshape(-1), column.reshape(-1)))
+    return torch.sparse_coo_tensor(indices, weight.reshape(-1), (rows, num * ph_n * pw_n), check_invariants=False)
+
+
+class _MultiLevelRoIAlign(torch.autograd.Function):
+    """torchvision's forward level by level; one sparse backward for all levels."""
+
+    @staticmethod
+    def forward(ctx, rois: Tensor, levels: Tensor, scales: Tuple[float, ...], pooled: Tuple[int, int],
+                sampling_ratio: int, aligned: bool, *features: Tensor) -> Tensor:
+        ctx.save_for_backward(rois, levels)
+        ctx.shapes = [tuple(f.shape) for f in features]
+        ctx.params = (scales, pooled, sampling_ratio, aligned)
+        out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + tuple(pooled))
+        for level, (feat, scale) in enumerate(zip(features, scales)):
+            idx = torch.where(levels == level)[0]
+            out.index_put_((idx,), torch.ops.torchvision.roi_align(feat, rois[idx], scale, pooled[0], pooled[1],
+                                                                   sampling_ratio, aligned))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        rois, levels = ctx.saved_tensors
+        scales, pooled, sampling_ratio, aligned = ctx.params
+        s = multi_level_sampling_matrix(rois, levels, scales, ctx.shapes, pooled, sampling_ratio, aligned)
+        c = ctx.shapes[0][1]
+        g = grad_output.to(rois.dtype).permute(0, 2, 3, 1).reshape(-1, c)  # [R*PH*PW, C]
+        grad = torch.sparse.mm(s, g).to(grad_output.dtype)  # [sum N*H*W, C]
+        grads, start = [], 0
+        for n, _, h, w in ctx.shapes:
+            grads.append(grad[start:start + n * h * w].view(n, h, w, c).permute(0, 3, 1, 2))  # NCHW view of NHWC
+            start += n * h * w
+        return (None, None, None, None, None, None, *grads)
+
+
+def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
+                          scales: Sequence[float], sampling_ratio: int, aligned: bool) -> Tensor:
+    """RoIAlign of each RoI on its own level: ``rois`` ``[R, 5]``, ``levels`` ``[R]`` int64
+    index into ``features`` (per level ``[N, C, H_l, W_l]``) and ``scales``.
+
+    On CPU with float32/float64 features, ``sampling_ratio > 0`` and a gradient needed, the
+    backward is one sparse product for all levels; otherwise ``roi_align`` level by level.
+
+    Returns ``[R, C, PH, PW]``, torchvision's values."""
+    sparse = (all(f.device.type == "cpu" and f.dtype in (torch.float32, torch.float64) for f in features)
+              and sampling_ratio > 0 and torch.is_grad_enabled() and any(f.requires_grad for f in features)
+              and len({f.dtype for f in features}) == 1)
+    if sparse:
+        rois = rois.to(features[0].dtype)
+        return _MultiLevelRoIAlign.apply(rois, levels, tuple(float(s) for s in scales), tuple(output_size),
+                                         int(sampling_ratio), bool(aligned), *features)
+    out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + tuple(output_size))
+    for level, (feat, scale) in enumerate(zip(features, scales)):
+        idx = torch.where(levels == level)[0]
+        pooled = roi_align(feat, rois[idx], output_size, scale, sampling_ratio, aligned)
+        out.index_put_((idx,), pooled.to(out.dtype))  # not out[idx] = ...: traced, that bakes in len(idx) == 1
+    return out

@@ -17,7 +17,7 @@ from torchvision.ops import batched_nms, box_area
 from .box_coder import BoxCoder, clip_boxes
 from .losses import weighted_smooth_l1
 from .matching import match_by_iou, sample_minibatch
-from .roi_align import roi_align
+from .roi_align import multi_level_roi_align, roi_align
 
 
 class MultiLevelRoIAlign(nn.Module):
@@ -64,13 +64,8 @@ class MultiLevelRoIAlign(nn.Module):
         rois = torch.cat((batch_idx, concat), dim=1)
         if len(features) == 1:
             return roi_align(features[0], rois, self.output_size, self.scales[0], self.sampling_ratio, self.aligned)
-        levels = self.level_of(concat)
-        out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + self.output_size)
-        for level, (feat, scale) in enumerate(zip(features, self.scales)):
-            idx = torch.where(levels == level)[0]
-            pooled = roi_align(feat, rois[idx], self.output_size, scale, self.sampling_ratio, self.aligned)
-            out.index_put_((idx,), pooled.to(out.dtype))  # not out[idx] = ...: traced, that bakes in len(idx) == 1
-        return out
+        return multi_level_roi_align(features, rois, self.level_of(concat), self.output_size, self.scales,
+                                     self.sampling_ratio, self.aligned)
 
 
 class TwoMLPHead(nn.Module):
