@@ -166,18 +166,19 @@ class RegionProposalNetwork(nn.Module):
         pre_nms = self.pre_nms_topk[0] if self.training else self.pre_nms_topk[1]
         post_nms = self.post_nms_topk[0] if self.training else self.post_nms_topk[1]
         num_images = logits[0].shape[0]
-        all_boxes, all_scores, all_levels = [], [], []
+        all_deltas, all_anchors, all_logits, all_levels = [], [], [], []
         for level, (anc, lg, dl) in enumerate(zip(anchors, logits, deltas)):
             k = top_count(lg.shape[1], pre_nms)
             top_logits, top_idx = lg.detach().topk(k, dim=1)  # [N, k]
-            top_deltas = torch.gather(dl.detach(), 1, top_idx[:, :, None].expand(-1, -1, 4)).float()  # [N, k, 4]
-            top_anchors = anc[top_idx]  # [N, k, 4]
-            boxes = self.box_coder.decode(top_deltas.reshape(-1, 4), top_anchors.reshape(-1, 4))
-            all_boxes.append(boxes.view(num_images, k, 4))
-            all_scores.append(torch.sigmoid(top_logits.float()))
+            all_deltas.append(torch.gather(dl.detach(), 1, top_idx[:, :, None].expand(-1, -1, 4)))  # [N, k, 4]
+            all_anchors.append(anc[top_idx])  # [N, k, 4]
+            all_logits.append(top_logits)
             all_levels.append(torch.full((k,), level, dtype=torch.int64, device=lg.device))
-        boxes = torch.cat(all_boxes, dim=1)
-        scores = torch.cat(all_scores, dim=1)
+        # One decode and one sigmoid for all levels and images (elementwise: the same values).
+        top_deltas = torch.cat(all_deltas, dim=1).float()
+        boxes = self.box_coder.decode(top_deltas.reshape(-1, 4), torch.cat(all_anchors, dim=1).reshape(-1, 4))
+        boxes = boxes.view(num_images, -1, 4)
+        scores = torch.sigmoid(torch.cat(all_logits, dim=1).float())
         levels = torch.cat(all_levels)
 
         proposals = []
