@@ -233,6 +233,10 @@ class TrainConfig:
     channels_last: bool = False
     cudnn_benchmark: bool = False
     compile_backbone: bool = False
+    # DistributedDataParallel settings (more than one rank): gradient bucket size in MiB
+    # (torch's default 25) and gradients as views into the buckets (saves one copy).
+    ddp_bucket_cap_mb: float = 25.0
+    ddp_gradient_as_bucket_view: bool = False
 
 
 @dataclass
@@ -408,6 +412,7 @@ def _get(cfg: Any, dotted: str) -> Any:
 # float anywhere in the config must also be finite (checked generically, before these).
 _RANGES: Tuple[Tuple[str, Callable[[Any], bool], str], ...] = (
     ("model.gn_groups", lambda v: v >= 1, ">= 1"),
+    ("train.ddp_bucket_cap_mb", lambda v: v > 0, "> 0"),
     ("model.fpn_channels", lambda v: v >= 1, ">= 1"),
     ("model.size_divisibility", lambda v: v >= 1, ">= 1"),
     ("rpn.conv_depth", lambda v: v >= 1, ">= 1"),

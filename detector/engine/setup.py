@@ -62,7 +62,8 @@ def apply_norm_policy(model: nn.Module, cfg: Config, device: torch.device, world
 
 def prepare_model(model: nn.Module, cfg: Config, device: torch.device, world_size: int) -> Tuple[nn.Module, nn.Module]:
     """Norm policy, device, ``train.channels_last``, ``train.compile_backbone`` (in place:
-    state-dict keys unchanged), training mode, and DDP when ``world_size > 1``.
+    state-dict keys unchanged), training mode, and DDP when ``world_size > 1``
+    (``train.ddp_bucket_cap_mb``, ``train.ddp_gradient_as_bucket_view``).
 
     Returns ``(model to train, the same model without the DDP wrapper)``.
     """
@@ -75,5 +76,10 @@ def prepare_model(model: nn.Module, cfg: Config, device: torch.device, world_siz
     model.train()
     if world_size <= 1:
         return model, model
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    ddp = nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.train.ddp_bucket_cap_mb,
+        gradient_as_bucket_view=cfg.train.ddp_gradient_as_bucket_view,
+    )
     return ddp, model
