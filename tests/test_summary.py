@@ -14,6 +14,7 @@ from torch import nn
 from detector.config import load_config
 from detector.modeling import build_model
 from detector.modeling.summary import count_flops, count_parameters, model_parts, model_summary
+from conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -99,10 +100,9 @@ def test_training_writes_summary_next_to_config(tmp_path, caplog):
     """The trainer logs the summary once at set-up (rank 0) and writes summary.json next
     to config.yaml, with the numbers of the model it trains at the config's test size."""
     from detector.engine.trainer import Trainer
-    from tests.test_trainer import make_cfg
 
     out = tmp_path / "run"
-    cfg = make_cfg(tmp_path / "data", out, "solver.max_iter=1")
+    cfg = tiny_config(tmp_path / "data", out, "solver.max_iter=1")
     with caplog.at_level("INFO", logger="detector.engine.trainer"):
         trainer = Trainer(cfg)
     try:
