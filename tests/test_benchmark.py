@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import mmap
 from pathlib import Path
 
 import pytest
@@ -100,9 +101,13 @@ def test_peak_rss_sees_an_allocation():
     dev = torch.device("cpu")
     reset_peak_memory(dev)
     base = peak_memory_bytes(dev)
-    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # 64 MiB of fresh anonymous pages, each touched (a tensor could reuse memory that
+    # earlier tests freed but the allocator kept resident).
+    x = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(x), 4096):
+        x[offset] = 1
     assert peak_memory_bytes(dev) >= base + 50 * 2**20
-    del x
+    x.close()
 
 
 def test_torchvision_counterpart_matches_config():
