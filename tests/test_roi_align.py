@@ -78,8 +78,8 @@ def test_multi_level_matches_torchvision_level_by_level(aligned):
         idx = torch.where(levels == lv)[0]
         ref[idx] = tv_roi_align(f, rois[idx], 7, s, 2, aligned)
     assert torch.equal(out, ref)
-    grad = torch.randn_like(out)
+    grad = torch.randn(out.shape, generator=g)
     ours = torch.autograd.grad(out, feats, grad)
     theirs = torch.autograd.grad(ref, feats, grad)
     for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # sums of up to ~100 terms, another order
