@@ -423,3 +423,16 @@ def test_bad_resume_checkpoints_are_one_line(data_root, tmp_path, cli):
     _, err = cli(*cli_args(data_root, tmp_path / "run_other_arch.pth", "solver.max_iter=1"), "--resume",
                  tmp_path / "other_arch.pth")
     assert "backbone.fpn" in err and "[64," in err and "[32," in err  # the first mismatched keys and shapes
+
+
+def test_resume_followed_by_an_override_keeps_the_override(tmp_path):
+    """``--resume solver.lr=0.01``: the override stays an override; a real file stays CKPT."""
+    tool = _load_train_tool()
+    args = tool.parse_args(["--config", "c.yaml", "--resume", "solver.lr=0.01", "train.max_iter=3"])
+    assert args.resume is True and args.overrides == ["solver.lr=0.01", "train.max_iter=3"]
+    ckpt = tmp_path / "a=b.pth"
+    ckpt.write_bytes(b"")
+    args = tool.parse_args(["--config", "c.yaml", "--resume", str(ckpt), "solver.lr=0.01"])
+    assert args.resume == str(ckpt) and args.overrides == ["solver.lr=0.01"]
+    args = tool.parse_args(["--config", "c.yaml", "--resume"])
+    assert args.resume is True and args.overrides == []

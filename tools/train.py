@@ -57,7 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default=None,
                    help="initial weights (overrides model.weights): a checkpoint file or a torchvision weights name")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. solver.lr=0.01")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # `--resume solver.lr=0.01`: argparse hands the override to --resume as CKPT. A value
+    # with "=" that names no file is an override, and --resume means last.pth.
+    if isinstance(args.resume, str) and "=" in args.resume and not Path(args.resume).exists():
+        args.overrides.insert(0, args.resume)
+        args.resume = True
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
