@@ -202,7 +202,7 @@ def tiny_setup(tmp_path_factory):
     return cfg, overrides, build_dataset(cfg, "val", is_train=False)
 
 
-def test_evaluate_in_process(tiny_setup, tmp_path):
+def test_evaluate_in_process(tiny_setup, tmp_path, capsys):
     from detector.evaluation import evaluate, score_detections
     from detector.modeling import build_model
 
@@ -229,6 +229,8 @@ def test_evaluate_in_process(tiny_setup, tmp_path):
         assert metrics[k] == again[k]
     for name in ("metrics.json", "per_class.csv", "pr_curves.png", "confusion_matrix.png"):
         assert (tmp_path / name).is_file()
+    err = capsys.readouterr().err  # stderr is no terminal here: no progress-bar lines
+    assert "eval:" not in err and "val loss:" not in err, err
 
 
 def test_val_loss_keeps_norm_layers_and_rng(tiny_setup):

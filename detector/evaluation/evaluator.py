@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -69,10 +70,11 @@ def evaluate(
     rank, world_size = get_rank(), get_world_size()
     loader = build_test_loader(cfg, dataset, rank, world_size)
     amp_dtype = resolve_amp_dtype(cfg.train.amp, next(model.parameters()).device)
-    out = run_inference(model, loader, dataset.label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=rank == 0)
+    progress = rank == 0 and sys.stderr.isatty()  # no bar lines in log files and CI output
+    out = run_inference(model, loader, dataset.label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=progress)
     loss_part = None
     if cfg.eval.compute_val_loss:
-        loss_part = compute_val_loss(model, loader, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=rank == 0)
+        loss_part = compute_val_loss(model, loader, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=progress)
     gathered = all_gather_object((out.detections, out.image_ids, out.seconds, loss_part))
     if rank != 0:
         return {}
