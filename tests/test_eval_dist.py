@@ -27,7 +27,7 @@ def test_coverage_check_names_duplicates_and_missing():
         _check_coverage([1, 2, 3], [1, 2])
 
 
-def _torchrun(nproc: int, overrides, weights: Path, out: Path) -> str:
+def _torchrun(nproc: int, overrides, weights: Path, out: Path, expect_rc: int = 0) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -35,7 +35,7 @@ def _torchrun(nproc: int, overrides, weights: Path, out: Path) -> str:
         "--weights", str(weights), "--output-dir", str(out), *overrides,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (proc.returncode == 0) == (expect_rc == 0), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
 
@@ -73,3 +73,29 @@ def test_two_ranks_equal_one_rank(tmp_path):
     assert d1 == d2
     gt_ids = {img["id"] for img in json.loads((data / "val.json").read_text())["images"]}
     assert len(gt_ids) == NUM_VAL and {d["image_id"] for d in d1} <= gt_ids
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_an_image_missing_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    """The last image is rank 1's: rank 1 names it, rank 0 names rank 1; nobody waits for
+    the collective timeout (30 minutes)."""
+    from detector.config import load_config
+    from detector.data.shapes import ensure_shapes
+    from detector.modeling import build_model
+
+    data = tmp_path / "shapes"
+    overrides = tiny_overrides(data, None, "data.shapes.num_train=1", "data.shapes.num_val=3",
+                               "data.shapes.max_side=96", "input.min_size_test=64", "input.max_size_test=96")
+    cfg = load_config(TINY_CONFIG, overrides)
+    ensure_shapes(data, 1, 3, cfg.data.shapes.seed, 64, 96)
+    torch.save(build_model(cfg).state_dict(), tmp_path / "w.pth")
+    last = json.loads((data / "val.json").read_text())["images"][-1]["file_name"]
+    missing = next(p for p in data.rglob(Path(last).name))
+    missing.unlink()
+
+    log = _torchrun(2, overrides, tmp_path / "w.pth", tmp_path / "out", expect_rc=1)
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert any("evaluation failed on rank 1" in e and missing.name in e for e in errors), log[-3000:]
+    assert any(missing.name in e and "rank 1" not in e for e in errors), log[-3000:]  # rank 1's own line
+    assert "Traceback" not in "\n".join(errors)

@@ -309,3 +309,37 @@ def test_signal_hook_requests_a_stop_and_restores_handlers():
     finally:
         hook.after_train(state)
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def _eval_hook_rank(rank: int, world_size: int, folder: str, failing_rank: int) -> None:
+    """A spawned rank: its evaluation fails on ``failing_rank`` only; every rank must
+    return that failure (and none waits in ``_keep_best``'s collective)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
+    try:
+        ck = make_checkpointer(os.path.join(folder, f"r{rank}"), Params())
+
+        def evaluate(iteration):
+            if rank == failing_rank:
+                raise RuntimeError(f"scoring failed on rank {rank}")
+            return {"AP": 0.5} if rank == 0 else {}
+
+        ev = EvalHook(evaluate, ck, period=1, best_metric="AP", writers=EventWriters(),
+                      is_main=rank == 0, world_size=world_size)
+        error = ev.run(3)
+        with open(os.path.join(folder, f"result{rank}.txt"), "w") as f:
+            f.write(str(error))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_evaluation_failing_on_one_rank_fails_on_every_rank(tmp_path, failing_rank):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_eval_hook_rank, args=(2, str(tmp_path), failing_rank), nprocs=2, join=True)
+    results = [(tmp_path / f"result{r}.txt").read_text() for r in range(2)]
+    assert results[0] == results[1] and f"scoring failed on rank {failing_rank}" in results[0], results
+    assert not (tmp_path / "r0" / "checkpoints" / "best.pth").exists()

@@ -450,6 +450,8 @@ class EvalHook(HookBase):
     def run(self, iteration: int) -> Optional[str]:
         """Evaluate and keep the best; returns the one-line error of a failure, else None."""
         t0 = time.perf_counter()
+        metrics: Dict[str, float] = {}
+        error: Optional[str] = None
         try:
             metrics = self.evaluate(iteration) or {}
         except Exception as exc:  # noqa: BLE001 - any failure inside evaluation becomes one line
@@ -458,6 +460,11 @@ class EvalHook(HookBase):
             error = (f"evaluation at iteration {iteration} failed ({type(exc).__name__}: {reason}); "
                      f"no checkpoint is lost: evaluate later with: {self.eval_command.format(weights=at)}")
             logger.debug("evaluation failure", exc_info=True)  # the traceback goes to log.txt only
+        if self.world_size > 1:
+            # A failure on one rank (rank 0's scoring, say) is every rank's: all take the same
+            # branch, since _keep_best and the next steps are collective.
+            error = next((e for e in all_gather_object(error) if e is not None), None)
+        if error is not None:
             logger.error(error)
             return error
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

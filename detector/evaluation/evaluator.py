@@ -32,6 +32,12 @@ class EvalMetrics(dict):
         self.report = report
 
 
+def _one_line(exc: BaseException) -> str:
+    """``"Type: first line of the message"``."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _check_coverage(dataset_ids: List[int], gathered_ids: List[int]) -> None:
     """Every dataset image scored exactly once, or a RuntimeError saying which not."""
     counts = collections.Counter(gathered_ids)
@@ -71,11 +77,27 @@ def evaluate(
     loader = build_test_loader(cfg, dataset, rank, world_size)
     amp_dtype = resolve_amp_dtype(cfg.train.amp, next(model.parameters()).device)
     progress = rank == 0 and sys.stderr.isatty()  # no bar lines in log files and CI output
-    out = run_inference(model, loader, dataset.label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=progress)
-    loss_part = None
-    if cfg.eval.compute_val_loss:
-        loss_part = compute_val_loss(model, loader, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=progress)
-    gathered = all_gather_object((out.detections, out.image_ids, out.seconds, loss_part))
+    out, loss_part, failure = None, None, None
+    try:
+        out = run_inference(model, loader, dataset.label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype,
+                            progress=progress)
+        if cfg.eval.compute_val_loss:
+            loss_part = compute_val_loss(model, loader, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=progress)
+    except Exception as exc:
+        if world_size == 1:
+            raise
+        failure = exc  # the other ranks wait in the gather below: send them the failure
+    if failure is not None:
+        mine = (_one_line(failure), None, None, None, None)
+    else:
+        mine = (None, out.detections, out.image_ids, out.seconds, loss_part)
+    gathered = all_gather_object(mine)
+    if failure is not None:
+        raise failure
+    failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
+    if failed:  # every rank stops with one line instead of waiting for a timeout
+        raise RuntimeError(f"evaluation failed on rank {failed[0][0]} ({failed[0][1]})")
+    gathered = [g[1:] for g in gathered]
     if rank != 0:
         return {}
 
