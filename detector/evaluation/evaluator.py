@@ -49,6 +49,40 @@ def _check_coverage(dataset_ids: List[int], gathered_ids: List[int]) -> None:
         raise RuntimeError(f"evaluation missed {len(missing)} image(s), e.g. image_id {missing[:5]}")
 
 
+def _infer_and_gather(model: nn.Module, loader: Any, label_to_category_id: Dict[int, int], cfg: Any,
+                      rank: int, world_size: int) -> List[tuple]:
+    """This rank's inference (and validation loss), gathered from every rank.
+
+    Returns ``[(detections float64 [D_r, 7], image_ids, seconds per batch, loss sums or None)]``
+    indexed by rank. A failure on any rank stops every rank: the failing one raises its
+    own exception, the others a RuntimeError naming it, instead of waiting in the gather
+    until the collective's timeout.
+    """
+    amp_dtype = resolve_amp_dtype(cfg.train.amp, next(model.parameters()).device)
+    progress = rank == 0 and sys.stderr.isatty()  # no bar lines in log files and CI output
+    out, loss_part, failure = None, None, None
+    try:
+        out = run_inference(model, loader, label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype,
+                            progress=progress)
+        if cfg.eval.compute_val_loss:
+            loss_part = compute_val_loss(model, loader, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=progress)
+    except Exception as exc:
+        if world_size == 1:
+            raise
+        failure = exc  # the other ranks wait in the gather below: send them the failure
+    if failure is not None:
+        mine = (_one_line(failure), None, None, None, None)
+    else:
+        mine = (None, out.detections, out.image_ids, out.seconds, loss_part)
+    gathered = all_gather_object(mine)
+    if failure is not None:
+        raise failure
+    failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
+    if failed:
+        raise RuntimeError(f"evaluation failed on rank {failed[0][0]} ({failed[0][1]})")
+    return [g[1:] for g in gathered]
+
+
 def evaluate(
     model: nn.Module,
     dataset: Any,
@@ -75,29 +109,7 @@ def evaluate(
 
     rank, world_size = get_rank(), get_world_size()
     loader = build_test_loader(cfg, dataset, rank, world_size)
-    amp_dtype = resolve_amp_dtype(cfg.train.amp, next(model.parameters()).device)
-    progress = rank == 0 and sys.stderr.isatty()  # no bar lines in log files and CI output
-    out, loss_part, failure = None, None, None
-    try:
-        out = run_inference(model, loader, dataset.label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype,
-                            progress=progress)
-        if cfg.eval.compute_val_loss:
-            loss_part = compute_val_loss(model, loader, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=progress)
-    except Exception as exc:
-        if world_size == 1:
-            raise
-        failure = exc  # the other ranks wait in the gather below: send them the failure
-    if failure is not None:
-        mine = (_one_line(failure), None, None, None, None)
-    else:
-        mine = (None, out.detections, out.image_ids, out.seconds, loss_part)
-    gathered = all_gather_object(mine)
-    if failure is not None:
-        raise failure
-    failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
-    if failed:  # every rank stops with one line instead of waiting for a timeout
-        raise RuntimeError(f"evaluation failed on rank {failed[0][0]} ({failed[0][1]})")
-    gathered = [g[1:] for g in gathered]
+    gathered = _infer_and_gather(model, loader, dataset.label_to_category_id, cfg, rank, world_size)
     if rank != 0:
         return {}
 
