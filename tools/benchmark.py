@@ -6,6 +6,7 @@
     python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --iters 50 --json out.json
     python tools/benchmark.py --config configs/demo_shapes.yaml --task memory   # peak RSS of the demo run
     python tools/benchmark.py --config C --task memory --command "python tools/eval.py --config C --weights W"
+    python tools/benchmark.py --task tta --json tta.json   # time to accuracy vs torchvision's recipe, demo config
 
 Trailing key=value arguments override the config. See docs/performance.md.
 """
@@ -29,11 +30,12 @@ from detector.config import load_config  # noqa: E402
 from detector.benchmark import TASKS, format_summary, run_benchmark  # noqa: E402
 
 TRAIN_PY = Path(__file__).resolve().parent / "train.py"
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_shapes.yaml"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML config")
+    p.add_argument("--config", help="YAML config (required, except --task tta: default configs/demo_shapes.yaml)")
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
@@ -53,9 +55,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-boxes", type=int, default=30, help="eval: objects and detections per image (default 30)")
     p.add_argument("--command", help="memory: the command line to measure (default: tools/train.py "
                                       "--config CONFIG with the overrides)")
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="tta: wall-clock training seconds of each run (default 300)")
     p.add_argument("--json", dest="json_out", help="write the full result here")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args(argv)
+    if args.config is None:
+        if args.task != "tta":
+            p.error("--config is required")
+        args.config = str(DEMO_CONFIG)
+    if not args.budget_s > 0:
+        p.error(f"--budget-s must be > 0, got {args.budget_s}")
     if bool(args.gt) != bool(args.results):
         p.error("--gt and --results go together")
     return args
@@ -80,6 +90,7 @@ def main(argv=None) -> int:
         num_batches=args.num_batches,
         profile=args.profile,
         count_ops=args.count_ops,
+        budget_s=args.budget_s,
         gt_file=args.gt,
         results_file=args.results,
         eval_images=args.eval_images,

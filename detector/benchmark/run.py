@@ -19,10 +19,11 @@ from .memory import measure_command_memory
 from .profiling import SYNC_EVENTS, profile_train_step
 from .tasks import benchmark_data, benchmark_eval, benchmark_model, benchmark_train_loader
 from .timing import machine_info
+from .tta import benchmark_tta, format_tta
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("train", "infer", "data", "eval", "memory")
+TASKS = ("train", "infer", "data", "eval", "memory", "tta")
 
 
 def _resolve_num_classes(cfg: Config, synthetic: bool) -> Config:
@@ -57,6 +58,7 @@ def run_benchmark(
     eval_boxes: int = 30,
     command: Optional[List[str]] = None,
     count_ops: bool = False,
+    budget_s: float = 300.0,
 ) -> Dict[str, Any]:
     """Run one benchmark task and return its JSON-ready result.
 
@@ -75,6 +77,7 @@ def run_benchmark(
         command: ``task="memory"``: the command line whose process tree is measured.
         count_ops: train: add ``ops_per_step`` and ``host_syncs_per_step`` (ours and
             torchvision's) from ``torch.profiler`` over one step after warm-up.
+        budget_s: ``task="tta"``: training seconds of each run (``detector.benchmark.tta``).
 
     Returns a dict with ``task``, ``config``, ``machine``, ``iters``, ``warmup``,
     ``runs`` (name -> :func:`summarize_times` fields plus ``peak_memory_bytes``,
@@ -95,7 +98,7 @@ def run_benchmark(
         raise ValueError(f"--threads must be >= 0, got {threads}")
     if threads:
         torch.set_num_threads(threads)
-    device = resolve_device(cfg.train.device) if task in ("train", "infer") else torch.device("cpu")
+    device = resolve_device(cfg.train.device) if task in ("train", "infer", "tta") else torch.device("cpu")
     if task in ("train", "infer"):
         cfg = _resolve_num_classes(cfg, synthetic)
     amp = resolve_amp(cfg.train.amp, device)
@@ -145,6 +148,8 @@ def run_benchmark(
             raise ValueError("--task memory needs the command to run (e.g. the training command line)")
         result["memory"] = measure_command_memory(list(command))
         result["runs"] = {}
+    elif task == "tta":
+        result.update(benchmark_tta(cfg, budget_s))
     else:
         result.update(benchmark_eval(cfg, iters, warmup, gt_file, results_file, eval_images, eval_boxes))
     result["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -158,6 +163,8 @@ def run_benchmark(
 
 def format_summary(result: Dict[str, Any]) -> str:
     """A short human-readable table of a :func:`run_benchmark` result."""
+    if result["task"] == "tta":
+        return format_tta(result)
     lines = [f"task={result['task']} device={result['device']} iters={result['iters']} warmup={result['warmup']}"]
     mem_unit = "MiB"
     for name, r in result["runs"].items():
