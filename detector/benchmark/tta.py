@@ -239,6 +239,28 @@ def _reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: 
     return loss_value
 
 
+def reference_optimizer(model: nn.Module, cfg: Config, batches_per_epoch: int) -> Tuple[Any, Any, Any, Dict[str, Any]]:
+    """The reference's SGD over every trainable parameter, its first-epoch ``LinearLR``
+    warm-up and the ``MultiStepLR`` at ``solver.steps`` iterations (see the module
+    docstring). Returns ``(optimizer, warmup, decay, recipe description)``."""
+    lr = REFERENCE_LR_PER_IMAGE * cfg.solver.images_per_gpu
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=REFERENCE_MOMENTUM, weight_decay=REFERENCE_WEIGHT_DECAY)
+    decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(cfg.solver.steps), gamma=cfg.solver.gamma)
+    warmup_iters = reference_warmup_iters(batches_per_epoch)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=REFERENCE_WARMUP_FACTOR, total_iters=warmup_iters)
+    recipe = {
+        "step": "torchvision references/detection engine.train_one_epoch, written out in detector.benchmark.tta",
+        "optimizer": f"SGD(momentum={REFERENCE_MOMENTUM}, weight_decay={REFERENCE_WEIGHT_DECAY}), torch's defaults "
+                     "otherwise, every trainable parameter",
+        "lr": lr,
+        "schedule": f"LinearLR warm-up {warmup_iters} iterations from {REFERENCE_WARMUP_FACTOR}, MultiStepLR at "
+                    f"iterations {list(cfg.solver.steps)} (gamma {cfg.solver.gamma}), max_iter {cfg.solver.max_iter}",
+        "clip_grad_norm": 0.0,
+    }
+    return optimizer, warmup, decay, recipe
+
+
 def train_torchvision(cfg: Config, device: torch.device, budget_s: float) -> Tuple[Optional[nn.Module], Dict[str, Any]]:
     """torchvision's FasterRCNN trained as ``references/detection`` trains it (see the
     module docstring) for ``budget_s`` seconds (or ``solver.max_iter``), on the
@@ -249,15 +271,9 @@ def train_torchvision(cfg: Config, device: torch.device, budget_s: float) -> Tup
     model = TorchvisionInputs(build_torchvision_model(cfg)).to(device)
     model.train()
     amp = resolve_amp(cfg.train.amp, device)
-    images_per_step = cfg.solver.images_per_gpu
-    lr = REFERENCE_LR_PER_IMAGE * images_per_step
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=REFERENCE_MOMENTUM, weight_decay=REFERENCE_WEIGHT_DECAY)
-    decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(cfg.solver.steps), gamma=cfg.solver.gamma)
     loader = build_train_loader(cfg, build_dataset(cfg, "train", True), 0, 1)
     batches_per_epoch = len(loader)
-    warmup_iters = reference_warmup_iters(batches_per_epoch)
-    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=REFERENCE_WARMUP_FACTOR, total_iters=warmup_iters)
+    optimizer, warmup, decay, recipe = reference_optimizer(model, cfg, batches_per_epoch)
     scaler = torch.amp.GradScaler(device.type) if amp.uses_scaler else None
 
     deadline = Deadline(budget_s)
@@ -288,15 +304,7 @@ def train_torchvision(cfg: Config, device: torch.device, budget_s: float) -> Tup
         batches.close()  # shuts the loader's workers down
     record = _run_record("torchvision", iterations, images, deadline.elapsed_s, stopped_by, load_start,
                          float(optimizer.param_groups[0]["lr"]))
-    record["recipe"] = {
-        "step": "torchvision references/detection engine.train_one_epoch, written out in detector.benchmark.tta",
-        "optimizer": f"SGD(momentum={REFERENCE_MOMENTUM}, weight_decay={REFERENCE_WEIGHT_DECAY}), torch's defaults "
-                     "otherwise, every trainable parameter",
-        "lr": lr,
-        "schedule": f"LinearLR warm-up {warmup_iters} iterations from {REFERENCE_WARMUP_FACTOR}, MultiStepLR at "
-                    f"iterations {list(cfg.solver.steps)} (gamma {cfg.solver.gamma}), max_iter {cfg.solver.max_iter}",
-        "clip_grad_norm": 0.0,
-    }
+    record["recipe"] = recipe
     return (model if finite else None), record
 
 
