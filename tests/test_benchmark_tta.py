@@ -94,3 +94,16 @@ def test_bad_arguments_one_line(argv, message, capsys):
     assert exc.value.code != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tta_on_cuda_with_amp(tiny_data, tmp_path, dtype):
+    """Both recipes on the GPU under autocast (float16: with a GradScaler on each side)."""
+    cfg = tiny_config(tiny_data, tmp_path / "run", "solver.max_iter=3", "train.device=cuda",
+                      "train.amp.enabled=true", f"train.amp.dtype={dtype}", "train.deterministic=false")
+    t = benchmark_tta(cfg, budget_s=600.0)["tta"]
+    assert t["device"].startswith("cuda") and t["amp"] and t["amp_dtype"] == dtype and t["gpu"]
+    for run in t["runs"].values():
+        assert run["iterations"] == 3 and run["stopped_by"] == "solver.max_iter"
+        assert 0.0 <= run["AP"] <= 1.0 and 0.0 <= run["AP50"] <= 1.0
