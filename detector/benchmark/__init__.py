@@ -24,7 +24,8 @@ Modules: ``timing`` (runners, statistics, machine), ``memory`` (peak memory, a
 command's process tree), ``batches``, ``torchvision_ref`` (the torchvision counterpart),
 ``steps`` (the timed steps), ``profiling``, ``tasks``, ``coco_case`` (the scoring
 reference), ``loader_sweep`` (loader throughput by worker count), ``tta`` (time to
-accuracy against torchvision's references/detection recipe), ``run`` (the entry).
+accuracy against torchvision's references/detection recipe), ``canvas_cost`` (padded
+pixels of ``model.canvas_sizes``), ``run`` (the entry).
 
 This package is the top layer of the library: nothing in ``detector`` imports it.
 """
