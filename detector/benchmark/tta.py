@@ -61,6 +61,7 @@ from detector.data import build_dataset, resolve_num_classes
 from detector.data.loader import build_train_loader
 from detector.distributed import resolve_device, seed_everything
 from detector.engine.hooks import HookBase, LoopState, NonFiniteLossError
+from detector.engine.optim import scaled_lr
 from detector.engine.setup import configure_torch
 from detector.engine.trainer import Trainer
 from detector.evaluation import evaluate
@@ -84,6 +85,7 @@ SCHEDULE_NOTE = (
     "where the reference steps per epoch at epochs 16 and 22 of 26); a run ends at the budget or at "
     "solver.max_iter, whichever comes first"
 )
+BUDGET_REASON = "the time budget"  # LoopState.stop_requested set by BudgetHook
 BUDGET_NOTE = (
     "training time runs from the first batch request to the end of the last step; once the elapsed time "
     "plus the last step's time reaches the budget the next step is the last, so a run may pass the budget "
@@ -138,7 +140,7 @@ class BudgetHook(HookBase):
     def after_step(self, state: LoopState) -> None:
         self.images += state.batch_images
         if self.deadline.step_done() and state.stop_requested is None:
-            state.stop_requested = "the time budget"
+            state.stop_requested = BUDGET_REASON
 
 
 class TorchvisionInputs(nn.Module):
@@ -197,7 +199,8 @@ def train_ours(cfg: Config, budget_s: float, output_dir: str) -> Tuple[Optional[
     try:
         result = trainer.train()
         iterations = result.iteration
-        stopped_by = "solver.max_iter" if result.status == "finished" else "budget"
+        reason = trainer.state.stop_requested
+        stopped_by = "solver.max_iter" if result.status == "finished" else "budget" if reason == BUDGET_REASON else str(reason)
     except NonFiniteLossError as exc:
         iterations, stopped_by, model = trainer.iteration, f"non-finite loss: {exc}", None
     finally:
@@ -206,7 +209,7 @@ def train_ours(cfg: Config, budget_s: float, output_dir: str) -> Tuple[Optional[
     recipe = {
         "step": "detector.engine.trainer.Trainer (TrainStep and hooks)",
         "optimizer": cfg.solver.optimizer,
-        "lr": cfg.solver.lr,
+        "lr": scaled_lr(cfg, 1),
         "schedule": f"{cfg.solver.schedule}, warm-up {cfg.solver.warmup_iters} iterations from "
                     f"{cfg.solver.warmup_factor}, steps {list(cfg.solver.steps)}, max_iter {cfg.solver.max_iter}",
         "clip_grad_norm": cfg.solver.clip_grad_norm,
