@@ -191,9 +191,10 @@ def test_lost_rank_is_one_line(data_root, tmp_path):
     assert agent.wait(TIMEOUT) != 0
     (rank0,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
     text = rank0.read_text()
-    assert "Traceback" not in text, text[-3000:]
+    context = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in [tmp_path / "log.txt", *sorted(logs.rglob("*.log"))])
+    assert "Traceback" not in text, context
     errors = [line for line in text.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "rank 1" in errors[0], text[-3000:]
+    assert len(errors) == 1 and "rank 1" in errors[0], context
 
 
 def test_two_nodes_train_to_the_end(data_root, straight, tmp_path):

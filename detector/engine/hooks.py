@@ -8,15 +8,18 @@ hook reads it and may set ``stop_requested``.
 
 The trainer's order, and why:
 
-1. ``SignalHook``: SIGTERM/SIGINT ask the loop to stop after the current iteration.
-2. ``NonFiniteGuard``: stops the run after ``train.max_nonfinite_steps`` skipped steps
+1. ``NonFiniteGuard``: stops the run after ``train.max_nonfinite_steps`` skipped steps
    in a row, naming the newest finite checkpoint.
-3. ``MetricsWriter``: losses, LRs, timings to the console (a progress bar in a
+2. ``MetricsWriter``: losses, LRs, timings to the console (a progress bar in a
    terminal), ``metrics.jsonl`` and TensorBoard.
-4. ``PeriodicCheckpointer``: ``iter_N.pth`` + ``last.pth`` every period; at the end the
+3. ``PeriodicCheckpointer``: ``iter_N.pth`` + ``last.pth`` every period; at the end the
    final checkpoint (or ``last.pth`` on a stop) BEFORE the final evaluation.
-5. ``EvalHook``: evaluation every period and at the end, ``best.pth``; a failing
+4. ``EvalHook``: evaluation every period and at the end, ``best.pth``; a failing
    evaluation is one error line naming the checkpoint to evaluate later.
+5. ``SignalHook``: SIGTERM/SIGINT ask the loop to stop after the current iteration
+   (read by the step at the start of the next one). Last, so that its handlers stay
+   until every other hook has ended: after a failure the others may wait on a lost
+   peer, and torchrun's SIGTERM must not end the rank before it reports the failure.
 
 Collectives: hooks that reduce or gather across ranks (metrics, checkpoints, best
 model) run on every rank at the same iterations, so the ranks stay in step.

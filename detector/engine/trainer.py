@@ -177,12 +177,15 @@ class Trainer:
             is_main=self.is_main, world_size=self.world_size,
         )
         self.hooks: List[HookBase] = [
-            SignalHook(),
             NonFiniteGuard(cfg.train.max_nonfinite_steps, self.checkpointer, self.world_size),
             MetricsWriter(cfg.train.log_period, self.optimizer, self.writers, self.device, self.world_size, self.scaler,
                           progress_bar=self.is_main and _stderr_is_terminal(), is_main=self.is_main),
             PeriodicCheckpointer(self.checkpointer, cfg.train.checkpoint_period),
             self.eval_hook,  # after the checkpointer: the final checkpoint comes before the final evaluation
+            # Last: its handlers stay until every other hook has ended. After a failure the other
+            # hooks may wait on a lost peer, and torchrun's SIGTERM must not kill this rank
+            # silently before it has reported the failure.
+            SignalHook(),
         ]
 
     def _write_summary(self, model: FasterRCNN) -> None:
