@@ -241,7 +241,7 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    backend: str = "pycocotools"  # pycocotools | faster
+    backend: str = "pycocotools"  # pycocotools | faster | numpy (vectorised, same numbers)
     images_per_gpu: int = 1
     voc_iou_thresh: float = 0.5
     # VOC07 11-point AP recall levels: "exact" (0, 0.1, ..., 1 as k/10) or "numpy_arange"
@@ -397,7 +397,7 @@ _CHOICES = {
     "solver.schedule": ("multistep", "cosine"),
     "train.amp.dtype": ("auto", "float16", "bfloat16"),
     "train.dist_backend": ("auto", "nccl", "gloo"),
-    "eval.backend": ("pycocotools", "faster"),
+    "eval.backend": ("pycocotools", "faster", "numpy"),
     "eval.voc07_thresholds": ("exact", "numpy_arange"),
 }
 
