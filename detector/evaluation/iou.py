@@ -14,7 +14,7 @@ positives; ignored boxes are never counted as misses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -119,15 +119,146 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.sum(dx * dy) / denom) if denom > 0 else float("nan")
 
 
-def _tensors(rec: ImageRecord, score_thresh: float):
-    keep = rec.dt_scores >= score_thresh
+def _pair_iou_torchvision(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of row i of ``a`` with row i of ``b`` ([P, 4] xyxy, float64) with
+    ``torchvision.ops.box_iou``'s operations (so the same doubles; nan where the union
+    is 0)."""
+    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
+    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    wh = np.clip(np.minimum(a[:, 2:], b[:, 2:]) - np.maximum(a[:, :2], b[:, :2]), 0.0, None)
+    inter = wh[:, 0] * wh[:, 1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return inter / (area_a + area_b - inter)
+
+
+def _live_pairs(
+    dt_key: np.ndarray, dt_boxes: np.ndarray, gt_key: np.ndarray, gt_boxes: np.ndarray, gt_ignore: np.ndarray,
+    iou_thresh: float, max_pairs: int = 1_000_000,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The (detection, gt) pairs of equal key that can decide a greedy match: a usable
+    box at IoU >= ``iou_thresh``, or a nan IoU (np.argmax picks it, and the detection
+    stays unmatched). Built ``max_pairs`` at a time (class-agnostic matching pairs every
+    detection with every box of its image).
+
+    Returns:
+        ``pair_dt, pair_gt`` int64 [P] (grouped by detection, boxes in index order),
+        ``iou`` float64 [P], and ``on_ignored`` bool [D]: the detection overlaps an
+        ignored box at IoU >= ``iou_thresh``.
+    """
+    gt_order = np.argsort(gt_key, kind="stable")
+    sorted_keys = gt_key[gt_order]
+    lo = np.searchsorted(sorted_keys, dt_key, side="left")
+    counts = np.searchsorted(sorted_keys, dt_key, side="right") - lo
+    on_ignored = np.zeros(len(dt_key), dtype=bool)
+    cum = np.cumsum(counts)
+    cuts = np.searchsorted(cum, np.arange(max_pairs, int(cum[-1]) if len(cum) else 0, max_pairs), side="right")
+    parts = []
+    for a, b in zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(dt_key)].tolist()):
+        c = counts[a:b]
+        pair_dt = a + np.repeat(np.arange(b - a), c)
+        pair_gt = gt_order[np.repeat(lo[a:b], c) + np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)]
+        iou = _pair_iou_torchvision(dt_boxes[pair_dt], gt_boxes[pair_gt])
+        ignored = gt_ignore[pair_gt]
+        on_ignored[pair_dt[ignored & (iou >= iou_thresh)]] = True
+        live = ~ignored & ((iou >= iou_thresh) | np.isnan(iou))
+        parts.append((pair_dt[live], pair_gt[live], iou[live]))
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), on_ignored
+    return (*(np.concatenate([p[i] for p in parts]) for i in range(3)), on_ignored)
+
+
+@dataclass
+class MatchArrays:
+    """:func:`greedy_match` of many images at once (see :func:`greedy_match_all`).
+
+    Attributes:
+        det_to_gt: int64 [D]: index of the matched ground-truth box (into the gt arrays),
+            ``UNMATCHED`` or ``IGNORED``.
+        iou: float64 [D]: IoU with the matched box (0 where not matched).
+        gt_matched: bool [G].
+    """
+
+    det_to_gt: np.ndarray
+    iou: np.ndarray
+    gt_matched: np.ndarray
+
+
+def greedy_match_all(
+    dt_img: np.ndarray, dt_boxes: np.ndarray, dt_scores: np.ndarray, dt_labels: np.ndarray,
+    gt_img: np.ndarray, gt_boxes: np.ndarray, gt_labels: np.ndarray, gt_ignore: np.ndarray,
+    iou_thresh: float = 0.5, class_aware: bool = True,
+) -> MatchArrays:
+    """:func:`greedy_match` of every image at once, the same result per image.
+
+    The k-th detections (by decreasing score, stable) of all images are matched
+    together, k = 0, 1, ...: detections of different images never compete for a box.
+
+    Args:
+        dt_img, gt_img: int64 [D], [G] image index of each box.
+        dt_boxes, gt_boxes: float64 [D, 4], [G, 4] xyxy; dt_scores: [D];
+        dt_labels, gt_labels: int64; gt_ignore: bool [G].
+        iou_thresh: a match needs IoU >= this (> 0).
+    """
+    num_d, num_g = len(dt_img), len(gt_img)
+    d2g = np.full(num_d, UNMATCHED, dtype=np.int64)
+    d_iou = np.zeros(num_d)
+    taken = np.zeros(num_g, dtype=bool)
+    if num_d == 0 or num_g == 0:
+        return MatchArrays(d2g, d_iou, taken)
+    if class_aware:  # key = (image, label)
+        shift = int(min(dt_labels.min(), gt_labels.min()))
+        span = int(max(dt_labels.max(), gt_labels.max())) - shift + 1
+        dt_key, gt_key = dt_img * span + (dt_labels - shift), gt_img * span + (gt_labels - shift)
+    else:
+        dt_key, gt_key = dt_img, gt_img
+    pair_dt, pair_gt, iou, on_ignored = _live_pairs(dt_key, dt_boxes, gt_key, gt_boxes, gt_ignore, iou_thresh)
+    order = np.argsort(-dt_scores, kind="stable")
+    order = order[np.argsort(dt_img[order], kind="stable")]  # by image, then score
+    first = np.r_[True, dt_img[order][1:] != dt_img[order][:-1]]
+    starts = np.flatnonzero(first)
+    rank = np.empty(num_d, dtype=np.int64)
+    rank[order] = np.arange(num_d) - np.repeat(starts, np.diff(np.r_[starts, num_d]))
+    sel = np.argsort(rank[pair_dt], kind="stable")  # by round, then det, then gt order
+    rounds = rank[pair_dt[sel]]
+    bounds = np.searchsorted(rounds, np.arange(int(rounds.max(initial=-1)) + 2))
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        if a == b:
+            continue
+        blk = sel[a:b]
+        d, g = pair_dt[blk], pair_gt[blk]
+        seg = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
+        key = np.where(taken[g], -1.0, iou[blk])
+        best = np.maximum.reduceat(key, seg)  # nan wins, as in np.argmax
+        pos = np.where(key == np.repeat(best, np.diff(np.r_[seg, len(d)])), np.arange(len(d)), len(d))
+        j = np.minimum.reduceat(pos, seg)  # the first box of the highest IoU
+        hit = best >= iou_thresh
+        d2g[d[seg[hit]]] = g[j[hit]]
+        d_iou[d[seg[hit]]] = best[hit]
+        taken[g[j[hit]]] = True
+    d2g[(d2g == UNMATCHED) & on_ignored] = IGNORED
+    return MatchArrays(d2g, d_iou, taken)
+
+
+def _concat(records: Sequence[ImageRecord], score_thresh: float):
+    """The records' boxes as arrays (dt_img, dt_boxes, dt_scores, dt_cats, gt_img,
+    gt_boxes, gt_cats, gt_ignore), detections below ``score_thresh`` left out; image
+    index = position in ``records``, each image's boxes in their order."""
+    keep = [r.dt_scores >= score_thresh for r in records]
+    n_dt = [int(k.sum()) for k in keep]
+    n_gt = [len(r.gt_cats) for r in records]
+
+    def cat(parts, shape, dtype):
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(shape, dtype)
+
     return (
-        torch.from_numpy(rec.dt_boxes[keep]),
-        torch.from_numpy(rec.dt_scores[keep]),
-        torch.from_numpy(rec.dt_cats[keep]),
-        torch.from_numpy(rec.gt_boxes),
-        torch.from_numpy(rec.gt_cats),
-        torch.from_numpy(rec.gt_ignore),
+        np.repeat(np.arange(len(records)), n_dt),
+        cat([r.dt_boxes[k] for r, k in zip(records, keep)], (0, 4), np.float64),
+        cat([r.dt_scores[k] for r, k in zip(records, keep)], (0,), np.float64),
+        cat([r.dt_cats[k] for r, k in zip(records, keep)], (0,), np.int64),
+        np.repeat(np.arange(len(records)), n_gt),
+        cat([r.gt_boxes for r in records], (0, 4), np.float64),
+        cat([r.gt_cats for r in records], (0,), np.int64),
+        cat([r.gt_ignore for r in records], (0,), bool),
     )
 
 
@@ -147,23 +278,18 @@ def iou_metrics(
         (non-ignored) ground-truth objects.
     """
     records = list(records)
-    tp = {t: 0 for t in iou_thresholds}
-    fp = {t: 0 for t in iou_thresholds}
-    fn = {t: 0 for t in iou_thresholds}
+    dt_img, db, ds, dl, gt_img, gb, gl, gi = _concat(records, score_thresh)
+    tp, fp, fn = {}, {}, {}
     matched_ious = []
-    pred_counts, gt_counts = [], []
-    for rec in records:
-        db, ds, dl, gb, gl, gi = _tensors(rec, score_thresh)
-        pred_counts.append(db.shape[0])
-        gt_counts.append(int((~gi).sum()))
-        for k, t in enumerate(iou_thresholds):
-            res = greedy_match(db, ds, dl, gb, gl, t, gi)
-            n_tp = int((res.det_to_gt >= 0).sum())
-            tp[t] += n_tp
-            fp[t] += int((res.det_to_gt == UNMATCHED).sum())
-            fn[t] += int((~gi).sum()) - n_tp
-            if k == 0:
-                matched_ious.append(res.iou[res.det_to_gt >= 0].numpy())
+    for k, t in enumerate(iou_thresholds):
+        res = greedy_match_all(dt_img, db, ds, dl, gt_img, gb, gl, gi, t)
+        tp[t] = int((res.det_to_gt >= 0).sum())
+        fp[t] = int((res.det_to_gt == UNMATCHED).sum())
+        fn[t] = int((~gi).sum()) - tp[t]
+        if k == 0:
+            matched_ious.append(res.iou[res.det_to_gt >= 0])  # image order, then detection order
+    pred_counts = np.bincount(dt_img, minlength=len(records)).tolist()
+    gt_counts = np.bincount(gt_img[~gi], minlength=len(records)).tolist()
     out: Dict[str, float] = {}
     ious = np.concatenate(matched_ious) if matched_ious else np.zeros(0)
     out["mean_iou"] = float(ious.mean()) if ious.size else 0.0
@@ -201,17 +327,16 @@ def confusion_matrix(
     k = len(cat_ids)
     matrix = np.zeros((k + 1, k + 1), dtype=np.int64)
 
-    def index(labels: torch.Tensor) -> np.ndarray:  # category id -> row/column (1..K)
-        return by_id[np.searchsorted(ids[by_id], labels.numpy())] + 1
+    def index(labels: np.ndarray) -> np.ndarray:  # category id -> row/column (1..K)
+        return by_id[np.searchsorted(ids[by_id], labels)] + 1
 
-    for rec in records:
-        db, ds, dl, gb, gl, gi = _tensors(rec, score_thresh)
-        res = greedy_match(db, ds, dl, gb, gl, iou_thresh, gi, class_aware=False)
-        d2g = res.det_to_gt.numpy()
-        det_idx, gt_idx = index(dl), index(gl)
-        hit = d2g >= 0
-        np.add.at(matrix, (gt_idx[d2g[hit]], det_idx[hit]), 1)
-        np.add.at(matrix, (0, det_idx[d2g == UNMATCHED]), 1)
-        missed = ~res.gt_matched.numpy() & ~gi.numpy().astype(bool)
-        np.add.at(matrix, (gt_idx[missed], 0), 1)
+    dt_img, db, ds, dl, gt_img, gb, gl, gi = _concat(list(records), score_thresh)
+    res = greedy_match_all(dt_img, db, ds, dl, gt_img, gb, gl, gi, iou_thresh, class_aware=False)
+    d2g = res.det_to_gt
+    det_idx, gt_idx = index(dl), index(gl)
+    hit = d2g >= 0
+    np.add.at(matrix, (gt_idx[d2g[hit]], det_idx[hit]), 1)
+    np.add.at(matrix, (0, det_idx[d2g == UNMATCHED]), 1)
+    missed = ~res.gt_matched & ~gi
+    np.add.at(matrix, (gt_idx[missed], 0), 1)
     return matrix
