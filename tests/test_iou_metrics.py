@@ -134,3 +134,43 @@ def test_confusion_matrix_misclassified_and_missed():
         ]
     )
     np.testing.assert_array_equal(m, expected)
+
+
+def test_greedy_match_all_equals_greedy_match_per_image():
+    """All images at once (greedy_match_all) against greedy_match image by image, class
+    aware and agnostic: the same matches, IoUs and matched boxes, with ties in score,
+    crowd boxes and zero-width boxes."""
+    from detector.benchmark.results_file import generate_results_case
+    from detector.evaluation.iou import greedy_match_all
+    from detector.evaluation.records import group_by_image
+
+    gt, dets = generate_results_case(30, 6, 60, num_classes=4, seed=1)
+    for d in dets[::7]:
+        d["score"] = 0.5
+    for d in dets[3::25]:
+        d["bbox"][2] = 0.0
+    for a in gt["annotations"][::6]:
+        a["iscrowd"] = 1
+    recs = list(group_by_image(gt, dets).values())
+    assert any(r.gt_ignore.any() for r in recs)
+    for class_aware in (True, False):
+        d2g, ious, taken = [], [], []
+        offset = 0
+        for r in recs:
+            m = greedy_match(*(torch.from_numpy(x) for x in (r.dt_boxes, r.dt_scores, r.dt_cats, r.gt_boxes, r.gt_cats)),
+                             0.5, torch.from_numpy(r.gt_ignore), class_aware=class_aware)
+            d2g.append(torch.where(m.det_to_gt >= 0, m.det_to_gt + offset, m.det_to_gt).numpy())
+            ious.append(m.iou.numpy())
+            taken.append(m.gt_matched.numpy())
+            offset += len(r.gt_cats)
+        cat = np.concatenate
+        got = greedy_match_all(
+            np.repeat(np.arange(len(recs)), [len(r.dt_cats) for r in recs]), cat([r.dt_boxes for r in recs]),
+            cat([r.dt_scores for r in recs]), cat([r.dt_cats for r in recs]),
+            np.repeat(np.arange(len(recs)), [len(r.gt_cats) for r in recs]), cat([r.gt_boxes for r in recs]),
+            cat([r.gt_cats for r in recs]), cat([r.gt_ignore for r in recs]), 0.5, class_aware=class_aware,
+        )
+        np.testing.assert_array_equal(got.det_to_gt, cat(d2g))
+        np.testing.assert_array_equal(got.iou, cat(ious))
+        np.testing.assert_array_equal(got.gt_matched, cat(taken))
+        assert (got.det_to_gt >= 0).sum() > 20 and (got.det_to_gt == IGNORED).any()
