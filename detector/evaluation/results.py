@@ -6,8 +6,9 @@ data in ~56 bytes per detection instead of ~600 as Python dicts, built once:
 
 - :func:`detections_from_records` converts a list of dicts (checking every field on the
   way, vectorised);
-- :func:`read_results_file` parses a results file chunk by chunk into arrays, so a
-  2-million-record file never exists as 2 million dicts at once.
+- :func:`read_results_file` parses a results file chunk by chunk into arrays (two
+  processes side by side), so a 2-million-record file never exists as 2 million dicts
+  at once.
 
 Every record is checked before scoring: ``image_id`` and ``category_id`` integers that
 the ground truth has, a ``bbox`` of four finite numbers with ``w, h >= 0``, and a finite
@@ -19,6 +20,8 @@ naming the file, the record's index and the field. Ground truth gets the same ch
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,6 +328,7 @@ def check_ground_truth(gt: Any, source: str = "ground truth") -> Tuple[np.ndarra
 # --------------------------------------------------------------------------- files
 
 CHUNK_CHARS = 8_000_000  # ~80k records of a typical results file per json.loads
+PARSE_WORKERS = 2  # processes that parse pieces of a large file side by side
 _RECORD_END = re.compile(r"\}\s*,")
 
 
@@ -356,7 +360,8 @@ def read_json_text(path: str | Path, what: str) -> str:
 
 def read_results_file(path: str | Path) -> Any:
     """Read a results file: a JSON list of results becomes checked :class:`Detections`
-    (parsed in pieces of ~``CHUNK_CHARS``, each converted to arrays and dropped); any
+    (parsed in pieces of ~``CHUNK_CHARS``, each converted to arrays and dropped; a file
+    of more than one piece by ``PARSE_WORKERS`` processes side by side); any
     other JSON (e.g. a COCO-format dict with ``annotations``) is returned as parsed.
 
     Raises:
@@ -373,7 +378,10 @@ def read_results_file(path: str | Path) -> Any:
             raise ResultsError(f"{source}: not valid JSON ({exc})") from None
     start = text.index("[") + 1
     end = text.rstrip().rfind("]")
-    parts: List[Detections] = []
+    parts = _parse_in_workers(text, start, end) if end > start + CHUNK_CHARS else None
+    if parts is not None:
+        return Detections.concatenate(parts)
+    parts = []
     count = 0
     try:
         for piece in _list_chunks(text, start, max(end, start)):
@@ -392,6 +400,32 @@ def read_results_file(path: str | Path) -> Any:
             return records
         return detections_from_records(records, source)
     return Detections.concatenate(parts)
+
+
+def _parse_piece(piece: str) -> Optional[Detections]:
+    """One piece of a results list as checked arrays; None when it is not valid JSON
+    or holds a bad record (the caller then reads the file in one process, which names
+    the record by its index in the whole file)."""
+    try:
+        return detections_from_records(json.loads("[" + piece + "]"))
+    except (json.JSONDecodeError, ResultsError):
+        return None
+
+
+def _parse_in_workers(text: str, start: int, end: int) -> Optional[List[Detections]]:
+    """The pieces of the list body ``text[start:end]`` parsed by ``PARSE_WORKERS``
+    forked processes (json.loads holds the GIL), in file order; None when a piece
+    fails, or where there is one CPU or no ``fork``."""
+    workers = min(PARSE_WORKERS, os.cpu_count() or 1)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    parts: List[Detections] = []
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for dets in pool.imap(_parse_piece, _list_chunks(text, start, end)):
+            if dets is None:
+                return None
+            parts.append(dets)
+    return parts
 
 
 def write_results_file(path: str | Path, dets: Detections, chunk: int = 100_000) -> Path:
