@@ -211,6 +211,7 @@ def benchmark_eval(
         scorers["ours_faster"] = lambda g, r: twelve(coco_evaluate(g, r, backend="faster").metrics)
     except ImportError:
         logger.warning("faster-coco-eval is not installed; timing the pycocotools backend only")
+    scorers["ours_numpy"] = lambda g, r: twelve(coco_evaluate(g, r, backend="numpy").metrics)
     scorers["ours_all_metrics"] = lambda g, r: twelve(score_detections(g, r, backend=cfg.eval.backend).metrics)
 
     runners = []

@@ -143,23 +143,23 @@ def _accumulate_class(
     order = np.argsort(-scores, kind="mergesort")
     sorted_scores = scores[order]
     nd = len(order)
-    eps = np.spacing(1)
-    for a in range(len(npig)):
-        if npig[a] == 0:
-            continue
-        dtm, dtig = matched[a][:, order], ignored[a][:, order]
-        tp = np.cumsum(dtm & ~dtig, axis=1).astype(float)
-        fp = np.cumsum(~dtm & ~dtig, axis=1).astype(float)
-        rc = tp / npig[a]
-        pr = tp / (fp + tp + eps)
-        recall[:, a] = rc[:, -1] if nd else 0
-        pr = np.maximum.accumulate(pr[:, ::-1], axis=1)[:, ::-1]  # the precision envelope
+    areas = np.flatnonzero(npig > 0)  # pycocotools skips a range without gt boxes
+    if len(areas) == 0:
+        return
+    dtm, dtig = matched[areas][:, :, order], ignored[areas][:, :, order]  # [A', T, n]
+    tp = np.cumsum(dtm & ~dtig, axis=2).astype(float)
+    fp = np.cumsum(~dtm & ~dtig, axis=2).astype(float)
+    rc = tp / npig[areas][:, None, None]
+    pr = tp / (fp + tp + np.spacing(1))
+    recall[:, areas] = rc[:, :, -1].T if nd else 0
+    pr = np.maximum.accumulate(pr[:, :, ::-1], axis=2)[:, :, ::-1]  # the precision envelope
+    for i, a in enumerate(areas.tolist()):
         for t in range(len(IOU_THRS)):
-            idx = np.searchsorted(rc[t], REC_THRS, side="left")
+            idx = np.searchsorted(rc[i, t], REC_THRS, side="left")
             idx = idx[idx < nd]
             q = np.zeros(len(REC_THRS))
             ss = np.zeros(len(REC_THRS))
-            q[: len(idx)] = pr[t, idx]
+            q[: len(idx)] = pr[i, t, idx]
             ss[: len(idx)] = sorted_scores[idx]
             precision[t, :, a] = q
             score_out[t, :, a] = ss
