@@ -159,3 +159,20 @@ def test_large_file_path_equals_pycocotools(tmp_path, backend, monkeypatch):
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-15)
         one_pass = coco_mod.coco_evaluate(gt, dets, backend="faster", chunk_detections=10**9)
         np.testing.assert_array_equal(got, [one_pass.metrics[k] for k in coco_mod.COCO_METRIC_NAMES])
+
+
+def test_written_results_file_is_the_json_dumps_text(case, tmp_path):
+    """write_results_file formats the records itself: the text json.dumps gives (in
+    pieces), read back to the same records; a non-finite score is refused."""
+    from detector.evaluation.results import detections_from_records, write_results_file
+
+    _, _, dets = case
+    records = [dict(r, score=s) for r, s in zip(dets * 3, [-0.0, 1e-300, 1e22, 0.1, 1 / 3] * len(dets))]
+    arrays = detections_from_records(records)
+    path = write_results_file(tmp_path / "d.json", arrays, chunk=7)
+    pieces = [json.dumps(arrays.take(slice(k, k + 7)).to_records())[1:-1] for k in range(0, len(records), 7)]
+    assert path.read_text() == "[" + ",".join("\n" + p for p in pieces) + "\n]\n"
+    assert json.loads(path.read_text()) == arrays.to_records()
+    arrays.score[2] = float("nan")
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        write_results_file(tmp_path / "bad.json", arrays)

@@ -428,15 +428,27 @@ def _parse_in_workers(text: str, start: int, end: int) -> Optional[List[Detectio
     return parts
 
 
+_RECORD_JSON = '{"image_id": %d, "category_id": %d, "bbox": [%r, %r, %r, %r], "score": %r}'
+
+
 def write_results_file(path: str | Path, dets: Detections, chunk: int = 100_000) -> Path:
-    """Write ``dets`` as a COCO results JSON list (temp file, then rename)."""
+    """Write ``dets`` as a COCO results JSON list (temp file, then rename): the text
+    ``json.dumps`` gives for the records (floats by ``repr``), formatted directly.
+
+    Raises:
+        ValueError: a non-finite box or score (not valid JSON).
+    """
+    if not (np.isfinite(dets.bbox).all() and np.isfinite(dets.score).all()):
+        raise ValueError("Out of range float values are not JSON compliant: a detection has a non-finite box or score")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
         f.write("[")
         for k in range(0, len(dets), chunk):
-            body = json.dumps(dets.take(slice(k, k + chunk)).to_records(), allow_nan=False)[1:-1]
+            part = dets.take(slice(k, k + chunk))
+            rows = zip(part.image_id.tolist(), part.category_id.tolist(), part.bbox.tolist(), part.score.tolist())
+            body = ", ".join([_RECORD_JSON % (i, c, *b, s) for i, c, b, s in rows])
             f.write(("," if k else "") + "\n" + body)
         f.write("\n]\n")
     tmp.replace(path)
