@@ -5,6 +5,7 @@
         --compare-torchvision --synthetic input.min_size_test=512 input.max_size_test=683
     python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --iters 50 --json out.json
     python tools/benchmark.py --config configs/demo_shapes.yaml --task memory   # peak RSS of the demo run
+    python tools/benchmark.py --config configs/demo_shapes.yaml --task scaling   # 1 vs 2 ranks, DDP settings
     python tools/benchmark.py --config C --task memory --command "python tools/eval.py --config C --weights W"
     python tools/benchmark.py --task tta --json tta.json   # time to accuracy vs torchvision's recipe, demo config
 
@@ -28,6 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from detector.config import load_config  # noqa: E402
 from detector.benchmark import TASKS, format_summary, run_benchmark  # noqa: E402
+from detector.benchmark.scaling import ScalingSweep  # noqa: E402
 
 TRAIN_PY = Path(__file__).resolve().parent / "train.py"
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_shapes.yaml"
@@ -57,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                       "--config CONFIG with the overrides)")
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="tta: wall-clock training seconds of each run (default 300)")
+    p.add_argument("--world-sizes", default="1,2", help="scaling: world sizes, comma-separated (default 1,2)")
+    p.add_argument("--bucket-caps", default="1,25,100", help="scaling: ddp_bucket_cap_mb values swept (default 1,25,100)")
+    p.add_argument("--bucket-views", default="false,true",
+                   help="scaling: ddp_gradient_as_bucket_view values swept (default false,true)")
     p.add_argument("--json", dest="json_out", help="write the full result here")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args(argv)
@@ -68,6 +74,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--budget-s must be > 0, got {args.budget_s}")
     if bool(args.gt) != bool(args.results):
         p.error("--gt and --results go together")
+    views = [v.strip().lower() for v in args.bucket_views.split(",")]
+    if not set(views) <= {"false", "true"}:
+        p.error(f"--bucket-views takes false and/or true, got {args.bucket_views!r}")
+    try:
+        args.scaling = ScalingSweep(tuple(int(w) for w in args.world_sizes.split(",")),
+                                    tuple(float(c) for c in args.bucket_caps.split(",")),
+                                    tuple(v == "true" for v in views))
+    except ValueError as exc:
+        p.error(f"--world-sizes/--bucket-caps: {exc}")
     return args
 
 
@@ -100,6 +115,7 @@ def main(argv=None) -> int:
         torchvision_options=args.torchvision_options,
         threads=args.threads,
         command=command,
+        scaling=args.scaling,
     )
     print(format_summary(result))
     if args.json_out:

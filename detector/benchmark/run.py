@@ -17,13 +17,14 @@ from detector.distributed import resolve_device
 
 from .memory import measure_command_memory
 from .profiling import SYNC_EVENTS, profile_train_step
+from .scaling import ScalingSweep, benchmark_scaling, format_scaling
 from .tasks import benchmark_data, benchmark_eval, benchmark_model, benchmark_train_loader
 from .timing import machine_info
 from .tta import benchmark_tta, format_tta
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("train", "infer", "data", "eval", "memory", "tta")
+TASKS = ("train", "infer", "data", "eval", "memory", "tta", "scaling")
 
 
 def _resolve_num_classes(cfg: Config, synthetic: bool) -> Config:
@@ -59,6 +60,7 @@ def run_benchmark(
     command: Optional[List[str]] = None,
     count_ops: bool = False,
     budget_s: float = 300.0,
+    scaling: Optional[ScalingSweep] = None,
 ) -> Dict[str, Any]:
     """Run one benchmark task and return its JSON-ready result.
 
@@ -78,6 +80,8 @@ def run_benchmark(
         count_ops: train: add ``ops_per_step`` and ``host_syncs_per_step`` (ours and
             torchvision's) from ``torch.profiler`` over one step after warm-up.
         budget_s: ``task="tta"``: training seconds of each run (``detector.benchmark.tta``).
+        scaling: ``task="scaling"``: world sizes and DDP settings to sweep
+            (``detector.benchmark.scaling``; default ``ScalingSweep()``).
 
     Returns a dict with ``task``, ``config``, ``machine``, ``iters``, ``warmup``,
     ``runs`` (name -> :func:`summarize_times` fields plus ``peak_memory_bytes``,
@@ -98,8 +102,8 @@ def run_benchmark(
         raise ValueError(f"--threads must be >= 0, got {threads}")
     if threads:
         torch.set_num_threads(threads)
-    device = resolve_device(cfg.train.device) if task in ("train", "infer", "tta") else torch.device("cpu")
-    if task in ("train", "infer"):
+    device = resolve_device(cfg.train.device) if task in ("train", "infer", "tta", "scaling") else torch.device("cpu")
+    if task in ("train", "infer", "scaling"):
         cfg = _resolve_num_classes(cfg, synthetic)
     amp = resolve_amp(cfg.train.amp, device)
     result: Dict[str, Any] = {
@@ -150,6 +154,8 @@ def run_benchmark(
         result["runs"] = {}
     elif task == "tta":
         result.update(benchmark_tta(cfg, budget_s))
+    elif task == "scaling":
+        result.update(benchmark_scaling(cfg, iters, warmup, scaling or ScalingSweep(), num_batches, synthetic, threads))
     else:
         result.update(benchmark_eval(cfg, iters, warmup, gt_file, results_file, eval_images, eval_boxes))
     result["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -192,6 +198,8 @@ def format_summary(result: Dict[str, Any]) -> str:
     if "ops_per_step" in result:
         lines.append(f"  aten ops per step: {result['ops_per_step']}; host syncs per step: "
                      f"{result['host_syncs_per_step']}; nonzero per step: {result['nonzero_per_step']}")
+    if "scaling" in result:
+        lines.append(format_scaling(result))
     for name, prof in (result.get("profile") or {}).items():
         lines.append(f"  profile ({name}), one training step, top operators by self time:")
         for op in prof["top_ops"]:
