@@ -46,13 +46,17 @@ def test_sweep_verdict_needs_a_win_beyond_noise():
     base = [1.0, 1.0, 1.0, 1.0]
     runs = {"base": _run(base), "fast": _run([0.8, 0.85, 0.9, 0.8]), "noisy": _run([0.7, 1.3, 0.9, 1.2]),
             "tiny_gain": _run([0.99, 0.99, 0.99, 0.99])}
-    v = sweep_verdict(runs, "base")
+    quiet = _run([1.0, 1.01, 0.99, 1.0])
+    v = sweep_verdict(runs, "base", quiet)
     assert v["winner"] == "fast" and v["points"]["fast"]["beyond_noise"]
     assert not v["points"]["noisy"]["beyond_noise"]  # faster median, but q25 below 1
     assert not v["points"]["tiny_gain"]["beyond_noise"]  # 1 % is within WIN_MIN_GAIN
     assert v["points"]["base"]["speedup_median"] == 1.0
+    # The same gain on a machine where the setting against itself varies by +-25 %: noise.
+    loud = _run([0.75, 0.8, 1.25, 1.3])
+    assert v["noise"]["speedup_q75"] < 1.02 and sweep_verdict(runs, "base", loud)["winner"] is None
     del runs["fast"]
-    assert sweep_verdict(runs, "base")["winner"] is None
+    assert sweep_verdict(runs, "base", quiet)["winner"] is None
 
 
 def _load_tool():
@@ -83,13 +87,13 @@ def test_bad_sweep_arguments(capsys):
 def test_scaling_task_json(tmp_path, tiny_data, restore_threads):
     tool = _load_tool()
     out = tmp_path / "scaling.json"
-    rc = tool.main(["--config", str(TINY_CONFIG), "--task", "scaling", "--iters", "2", "--warmup", "1",
-                    "--num-batches", "2", "--threads", "2", "--world-sizes", "1,2", "--bucket-caps", "25",
+    rc = tool.main(["--config", str(TINY_CONFIG), "--task", "scaling", "--iters", "2", "--warmup", "0",
+                    "--num-batches", "1", "--threads", "2", "--world-sizes", "1,2", "--bucket-caps", "25",
                     "--bucket-views", "false", "--json", str(out), *tiny_overrides(tiny_data)])
     assert rc == 0
     result = json.loads(out.read_text())
     runs, s = result["runs"], result["scaling"]
-    assert set(runs) == {"ws1", "ws2", "ws2_no_sync"}
+    assert set(runs) == {"ws1", "ws2", "ws2_repeat", "ws2_no_sync"}
     per_gpu = load_config(TINY_CONFIG).solver.images_per_gpu
     for name, run in runs.items():
         assert run["iters"] == 2 and len(run["times_s"]) == 2, name
@@ -104,4 +108,5 @@ def test_scaling_task_json(tmp_path, tiny_data, restore_threads):
     assert s["allreduce"]["share_pairwise_median"] < 1
     assert set(s["sweep"]["points"]) == {"cap25_viewfalse"} and s["sweep"]["baseline"] == "cap25_viewfalse"
     assert s["sweep"]["winner"] is None and s["sweep"]["points"]["cap25_viewfalse"]["speedup_median"] == 1.0
+    assert {"speedup_median", "speedup_q25", "speedup_q75"} <= set(s["sweep"]["noise"])
     assert s["skipped"] == {}

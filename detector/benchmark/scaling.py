@@ -19,9 +19,10 @@ How it measures:
   ``(t_sync - t_no_sync) / t_sync`` pair by pair, median. That is the time the gradient
   all-reduce adds to a step, i.e. the part not hidden behind the backward pass (the
   one small flags all-reduce of ``TrainStep`` runs in both).
-- A sweep point "wins" only beyond noise: the 25th percentile of its per-iteration
-  speed-ups over the config's setting is above 1 and the median at least
-  ``WIN_MIN_GAIN`` above 1.
+- A sweep point "wins" only beyond noise. The config's setting runs twice (``repeat``,
+  an A/A pair) to measure that noise; a point wins when the 25th percentile of its
+  per-iteration speed-ups over the config's setting is above both 1 and the 75th
+  percentile of the A/A speed-ups, and its median is at least ``WIN_MIN_GAIN`` above 1.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 WIN_MIN_GAIN = 0.03  # a sweep point must be >= 3 % faster (pairwise median) to win
 NO_SYNC = "no_sync"
+REPEAT = "repeat"  # the config's DDP settings a second time: the A/A noise of the sweep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,13 +107,14 @@ def _build_step(cfg: Config, device: torch.device, world_size: int) -> Tuple[Tra
 
 def _runners(cfg: Config, device: torch.device, world_size: int, points: Sequence[Tuple[float, bool]],
              batches: List[Batch]) -> List[Runner]:
-    """World size 1: one runner (no DDP). Larger: one per sweep point, and ``no_sync``
-    (the config's settings, gradients not all-reduced)."""
+    """World size 1: one runner (no DDP). Larger: one per sweep point, ``repeat`` (the
+    config's settings again) and ``no_sync`` (the config's settings, gradients not
+    all-reduced)."""
     barrier = (lambda i: dist.barrier()) if world_size > 1 else None
     specs: List[Tuple[str, Config, bool]] = [("single", cfg, False)]
     if world_size > 1:
         specs = [(point_name(c, v), _with_ddp(cfg, c, v), False) for c, v in points]
-        specs.append((NO_SYNC, cfg, True))
+        specs += [(REPEAT, cfg, False), (NO_SYNC, cfg, True)]
     runners = []
     for name, point_cfg, no_sync in specs:
         step, model = _build_step(point_cfg, device, world_size)
@@ -176,7 +179,7 @@ def _run_group(cfg: Config, world_size: int, threads: int, points: List[Tuple[fl
                iters: int, warmup: int) -> Dict[str, Any]:
     """Spawn ``world_size`` ranks with ``threads`` threads each; returns their merged runs."""
     logger.info("world size %d: %d rank(s) x %d thread(s), %d runner(s) interleaved", world_size, world_size, threads,
-                1 if world_size == 1 else len(points) + 1)
+                1 if world_size == 1 else len(points) + 2)
     with tempfile.TemporaryDirectory(prefix="scaling_") as tmp:
         out_path = os.path.join(tmp, "result.json")
         mp.start_processes(_rank_worker, nprocs=world_size, join=True, start_method="spawn",
@@ -208,22 +211,32 @@ def allreduce_share(sync: Dict[str, Any], no_sync: Dict[str, Any]) -> Dict[str, 
     }
 
 
-def sweep_verdict(runs: Dict[str, Dict[str, Any]], baseline: str) -> Dict[str, Any]:
+def _quartiles(x: np.ndarray) -> Tuple[float, float, float]:
+    q25, med, q75 = np.percentile(x, [25, 50, 75])
+    return float(q25), float(med), float(q75)
+
+
+def sweep_verdict(runs: Dict[str, Dict[str, Any]], baseline: str, repeat: Dict[str, Any]) -> Dict[str, Any]:
     """Each sweep point (``runs``: point name -> run) against ``baseline`` (the config's
-    setting): per-iteration speed-ups ``t_baseline / t_point`` (median, quartiles). The
-    winner is the point with the largest median speed-up among those that win beyond
-    noise (q25 > 1 and median >= 1 + ``WIN_MIN_GAIN``); ``None`` if none does."""
+    setting): per-iteration speed-ups ``t_baseline / t_point`` (median, quartiles).
+    ``repeat``: the baseline's setting run a second time; its speed-ups are the noise.
+    A point wins beyond noise when its q25 exceeds 1 and the noise's q75, and its median
+    is >= 1 + ``WIN_MIN_GAIN``; the winner is the winning point with the largest median
+    (``None`` if none wins)."""
+    n25, nmed, n75 = _quartiles(_pairwise(runs[baseline]["times_s"], repeat["times_s"]))
     points: Dict[str, Dict[str, Any]] = {}
     for name, run in runs.items():
-        speedup = _pairwise(runs[baseline]["times_s"], run["times_s"])
-        q25, med, q75 = np.percentile(speedup, [25, 50, 75])
+        q25, med, q75 = _quartiles(_pairwise(runs[baseline]["times_s"], run["times_s"]))
         points[name] = {"images_per_s": run["images_per_s"], "median_s": run["median_s"],
-                        "speedup_median": float(med), "speedup_q25": float(q25), "speedup_q75": float(q75),
-                        "beyond_noise": bool(name != baseline and q25 > 1.0 and med >= 1.0 + WIN_MIN_GAIN)}
+                        "speedup_median": med, "speedup_q25": q25, "speedup_q75": q75,
+                        "beyond_noise": bool(name != baseline and q25 > max(1.0, n75) and med >= 1.0 + WIN_MIN_GAIN)}
     winners = [n for n, p in points.items() if p["beyond_noise"]]
     winner = max(winners, key=lambda n: points[n]["speedup_median"]) if winners else None
     return {"baseline": baseline, "points": points, "winner": winner,
-            "rule": f"wins if its per-iteration speed-up over the baseline has q25 > 1 and median >= {1 + WIN_MIN_GAIN:g}"}
+            "noise": {"speedup_median": nmed, "speedup_q25": n25, "speedup_q75": n75,
+                      "what": "the baseline against its own repeat (A/A), per-iteration speed-ups"},
+            "rule": f"wins if its per-iteration speed-up over the baseline has q25 > max(1, the A/A q75) "
+                    f"and median >= {1 + WIN_MIN_GAIN:g}"}
 
 
 def benchmark_scaling(cfg: Config, iters: int, warmup: int, sweep: ScalingSweep = ScalingSweep(),
@@ -259,7 +272,7 @@ def benchmark_scaling(cfg: Config, iters: int, warmup: int, sweep: ScalingSweep 
     if largest > 1 and f"ws{largest}" in runs:
         scaling["allreduce"] = allreduce_share(runs[f"ws{largest}"], runs[f"ws{largest}_{NO_SYNC}"])
         by_point = {point_name(*p): runs[f"ws{largest}" if p == base else f"ws{largest}_{point_name(*p)}"] for p in points}
-        scaling["sweep"] = sweep_verdict(by_point, point_name(*base))
+        scaling["sweep"] = sweep_verdict(by_point, point_name(*base), runs[f"ws{largest}_{REPEAT}"])
         scaling["sweep"]["world_size"] = largest
     return {"runs": runs, "scaling": scaling, "images_per_iter": cfg.solver.images_per_gpu}
 
@@ -295,6 +308,9 @@ def format_scaling(result: Dict[str, Any]) -> str:
             mark = "  wins" if p["beyond_noise"] else ""
             lines.append(f"    {name:<40s} {p['images_per_s']:9.2f}  {p['speedup_median']:.3f} "
                          f"({p['speedup_q25']:.3f}..{p['speedup_q75']:.3f}){mark}")
+        n = v["noise"]
+        lines.append(f"    {'A/A noise (baseline vs its repeat)':<40s} {'':9s}  {n['speedup_median']:.3f} "
+                     f"({n['speedup_q25']:.3f}..{n['speedup_q75']:.3f})")
         lines.append(f"    winner beyond noise: {v['winner'] or 'none (keep the defaults)'}")
     for ws, why in s["skipped"].items():
         lines.append(f"    world size {ws} skipped: {why}")
