@@ -25,20 +25,21 @@ def restore_threads():
     torch.set_num_threads(n)
 
 
-def _run(times, median=None):
+def _run(times, cpu_median=1.0):
     times = list(times)
-    return {"times_s": times, "median_s": median if median is not None else sorted(times)[len(times) // 2],
+    return {"times_s": times, "median_s": sorted(times)[len(times) // 2], "cpu_median_s": cpu_median,
             "images_per_s": 1.0}
 
 
 def test_allreduce_share_pairwise():
     sync = _run([1.0, 2.0, 1.0])
-    no_sync = _run([0.8, 1.0, 0.9])
+    no_sync = _run([0.8, 1.0, 0.9], cpu_median=0.75)
     a = allreduce_share(sync, no_sync)
     # Pair by pair: 1 - 0.8/1 = 0.2, 1 - 1/2 = 0.5, 1 - 0.9/1 = 0.1 -> median 0.2.
     assert math.isclose(a["share_pairwise_median"], 0.2)
     assert math.isclose(a["share_of_medians"], 1 - 0.9 / 1.0)
     assert math.isclose(a["allreduce_median_s"], 0.1)
+    assert math.isclose(a["cpu_share_of_medians"], 0.25)
     assert "no_sync" in a["method"]
 
 
