@@ -56,7 +56,11 @@ def test_sweep_verdict_needs_a_win_beyond_noise():
     # The same gain on a machine where the setting against itself varies by +-25 %: noise.
     loud = _run([0.75, 0.8, 1.25, 1.3])
     assert v["noise"]["speedup_q75"] < 1.02 and sweep_verdict(runs, "base", loud)["winner"] is None
-    del runs["fast"]
+    # Quartiles clear of the A/A's, but a gain (+4 %) smaller than its spread (IQR ~0.1): noise.
+    spread = _run([0.95, 1.05, 1.0, 0.9])
+    runs["small_gain"] = _run([0.96, 0.96, 0.95, 0.96])
+    assert not sweep_verdict(runs, "base", spread)["points"]["small_gain"]["beyond_noise"]
+    del runs["fast"], runs["small_gain"]
     assert sweep_verdict(runs, "base", quiet)["winner"] is None
 
 

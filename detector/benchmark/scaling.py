@@ -19,10 +19,11 @@ How it measures:
   ``(t_sync - t_no_sync) / t_sync`` pair by pair, median. That is the time the gradient
   all-reduce adds to a step, i.e. the part not hidden behind the backward pass (the
   one small flags all-reduce of ``TrainStep`` runs in both).
-- A sweep point "wins" only beyond noise. The config's setting runs twice (``repeat``,
-  an A/A pair) to measure that noise; a point wins when the 25th percentile of its
-  per-iteration speed-ups over the config's setting is above both 1 and the 75th
-  percentile of the A/A speed-ups, and its median is at least ``WIN_MIN_GAIN`` above 1.
+- A sweep point "wins" only clearly beyond noise. The config's setting runs twice
+  (``repeat``, an A/A pair) to measure that noise; a point wins when the 25th
+  percentile of its per-iteration speed-ups over the config's setting is above both 1
+  and the 75th percentile of the A/A speed-ups, and its median gain is at least
+  ``WIN_MIN_GAIN`` and at least the A/A inter-quartile range.
 """
 
 from __future__ import annotations
@@ -224,22 +225,23 @@ def sweep_verdict(runs: Dict[str, Dict[str, Any]], baseline: str, repeat: Dict[s
     setting): per-iteration speed-ups ``t_baseline / t_point`` (median, quartiles).
     ``repeat``: the baseline's setting run a second time; its speed-ups are the noise.
     A point wins beyond noise when its q25 exceeds 1 and the noise's q75, and its median
-    is >= 1 + ``WIN_MIN_GAIN``; the winner is the winning point with the largest median
-    (``None`` if none wins)."""
+    gain is >= ``WIN_MIN_GAIN`` and >= the noise's inter-quartile range; the winner is
+    the winning point with the largest median (``None`` if none wins)."""
     n25, nmed, n75 = _quartiles(_pairwise(runs[baseline]["times_s"], repeat["times_s"]))
     points: Dict[str, Dict[str, Any]] = {}
     for name, run in runs.items():
         q25, med, q75 = _quartiles(_pairwise(runs[baseline]["times_s"], run["times_s"]))
         points[name] = {"images_per_s": run["images_per_s"], "median_s": run["median_s"],
                         "speedup_median": med, "speedup_q25": q25, "speedup_q75": q75,
-                        "beyond_noise": bool(name != baseline and q25 > max(1.0, n75) and med >= 1.0 + WIN_MIN_GAIN)}
+                        "beyond_noise": bool(name != baseline and q25 > max(1.0, n75)
+                                             and med - 1.0 >= max(WIN_MIN_GAIN, n75 - n25))}
     winners = [n for n, p in points.items() if p["beyond_noise"]]
     winner = max(winners, key=lambda n: points[n]["speedup_median"]) if winners else None
     return {"baseline": baseline, "points": points, "winner": winner,
             "noise": {"speedup_median": nmed, "speedup_q25": n25, "speedup_q75": n75,
                       "what": "the baseline against its own repeat (A/A), per-iteration speed-ups"},
             "rule": f"wins if its per-iteration speed-up over the baseline has q25 > max(1, the A/A q75) "
-                    f"and median >= {1 + WIN_MIN_GAIN:g}"}
+                    f"and median - 1 >= max({WIN_MIN_GAIN:g}, the A/A IQR)"}
 
 
 def benchmark_scaling(cfg: Config, iters: int, warmup: int, sweep: ScalingSweep = ScalingSweep(),
