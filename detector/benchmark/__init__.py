@@ -25,7 +25,8 @@ command's process tree), ``batches``, ``torchvision_ref`` (the torchvision count
 ``steps`` (the timed steps), ``profiling``, ``tasks``, ``coco_case`` (the scoring
 reference), ``loader_sweep`` (loader throughput by worker count), ``tta`` (time to
 accuracy against torchvision's references/detection recipe), ``canvas_cost`` (padded
-pixels of ``model.canvas_sizes``), ``run`` (the entry).
+pixels of ``model.canvas_sizes``), ``scaling`` (1 vs 2 ranks under DDP, all-reduce share,
+the ``train.ddp_*`` sweep), ``run`` (the entry).
 
 This package is the top layer of the library: nothing in ``detector`` imports it.
 """
