@@ -3,8 +3,10 @@ tiny-model test config (``tests/configs/tiny.yaml``) with its helpers."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, List, Optional, Union
 
 import pytest
@@ -20,6 +22,14 @@ REAL_DATA = ROOT.parent / "shared" / "data" / "real"
 TINY_CONFIG = ROOT / "tests" / "configs" / "tiny.yaml"
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def load_tool(name: str) -> ModuleType:
+    """``tools/<name>.py`` as a fresh module (the tools are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_overrides(data_root: PathLike, output_dir: Optional[PathLike] = None, *extra: str) -> List[str]:

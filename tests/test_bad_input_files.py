@@ -3,7 +3,6 @@ coordinates, check_dataset's header, tool help texts, infer.py skipping unreadab
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import logging
@@ -21,15 +20,9 @@ from detector.config import load_config
 from detector.data import CocoDetection, DataError, VOCDetection, build_dataset
 from detector.data.check import check_dataset, format_report, main as check_main
 from detector.data.datasets import load_image
+from conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_coco(tmp: Path, file_name: str, w: int = 40, h: int = 30) -> tuple[Path, Path]:

@@ -3,7 +3,6 @@ torchvision counterpart's configuration, the scoring comparison, bad arguments."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import mmap
@@ -18,16 +17,10 @@ from detector.benchmark.memory import measure_command_memory, peak_memory_bytes,
 from detector.benchmark.tasks import benchmark_eval
 from detector.benchmark.timing import summarize_times
 from detector.benchmark.torchvision_ref import build_torchvision_model
+from conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("benchmark_tool", ROOT / "tools" / "benchmark.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 RUN_FIELDS = (
@@ -58,7 +51,7 @@ def restore_threads():
 
 def test_train_json_tiny_config(tmp_path, restore_threads):
     out = tmp_path / "bench.json"
-    tool = _load_tool()
+    tool = load_tool("benchmark")
     # One thread: the test checks the output, not the speed, and stays quick on a busy machine.
     rc = tool.main([
         "--config", str(TINY), "--task", "train", "--iters", "2", "--warmup", "1", "--num-batches", "2",
@@ -170,7 +163,7 @@ def test_command_memory_sees_the_child_allocation():
 
 def test_data_task_json(tmp_path):
     out = tmp_path / "data.json"
-    rc = _load_tool().main([
+    rc = load_tool("benchmark").main([
         "--config", str(TINY), "--task", "data", "--iters", "3", "--warmup", "1", "--json", str(out),
         f"data.train.root={tmp_path / 'shapes'}", f"data.val.root={tmp_path / 'shapes'}",
         "data.shapes.num_train=12", "data.shapes.num_val=4",
@@ -183,7 +176,7 @@ def test_data_task_json(tmp_path):
 
 def test_count_ops_json(tmp_path, restore_threads):
     out = tmp_path / "ops.json"
-    rc = _load_tool().main([
+    rc = load_tool("benchmark").main([
         "--config", str(TINY), "--task", "train", "--iters", "1", "--warmup", "1", "--num-batches", "2",
         "--no-loader", "--count-ops", "--threads", "1", "--json", str(out), "train.device=cpu",
         f"data.train.root={tmp_path / 'shapes'}", f"data.val.root={tmp_path / 'shapes'}",

@@ -3,7 +3,6 @@ references/detection recipe, on the tiny test config with a budget of seconds.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_CONFIG, tiny_config, tiny_overrides
+from conftest import TINY_CONFIG, load_tool, tiny_config, tiny_overrides
 from detector.benchmark.tta import REFERENCE_LR_PER_IMAGE, Deadline, benchmark_tta, reference_warmup_iters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,17 +18,10 @@ RUN_FIELDS = ("iterations", "images", "train_s", "images_per_s", "stopped_by", "
               "recipe", "loadavg_start", "loadavg_train_end")
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("benchmark_tool", ROOT / "tools" / "benchmark.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_tta_json_within_budget(tiny_data, tmp_path):
     budget = 2.0
     out = tmp_path / "tta.json"
-    rc = _load_tool().main(["--config", str(TINY_CONFIG), "--task", "tta", "--budget-s", str(budget), "--json", str(out),
+    rc = load_tool("benchmark").main(["--config", str(TINY_CONFIG), "--task", "tta", "--budget-s", str(budget), "--json", str(out),
                             *tiny_overrides(tiny_data, None, "solver.max_iter=100000")])
     assert rc == 0
     result = json.loads(out.read_text())
@@ -90,7 +82,7 @@ def test_deadline_asks_for_the_last_step():
 ])
 def test_bad_arguments_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        _load_tool().main(argv)
+        load_tool("benchmark").main(argv)
     assert exc.value.code != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

@@ -4,7 +4,6 @@ numbers published in that folder's README; VOC AP from VOC XML."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from detector.evaluation import COCO_METRIC_NAMES
 from eval_fixtures import pycocotools_stats
+from conftest import load_tool
 
 pytestmark = pytest.mark.realdata
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,10 +26,7 @@ README_NUMBERS = [
 
 
 def eval_main(argv):
-    spec = importlib.util.spec_from_file_location("tool_eval_real", ROOT / "tools" / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return load_tool("eval").main(argv)
 
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,18 +15,10 @@ from PIL import Image
 
 from detector.evaluation import COCO_METRIC_NAMES
 from detector.evaluation.plots import plot_confusion_matrix, plot_pr_curves
-from conftest import TINY_CONFIG, tiny_overrides
+from conftest import TINY_CONFIG, load_tool, tiny_overrides
 from eval_fixtures import make_coco_case, pycocotools_stats
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 
 def printed_numbers(text):

@@ -24,6 +24,7 @@ from detector.modeling.export import (
     require_onnx,
     verify_export,
 )
+from conftest import load_tool
 ROOT = Path(__file__).resolve().parents[1]
 
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
@@ -31,14 +32,7 @@ needs_ort = pytest.mark.skipif(not HAS_ORT, reason=f"onnx/onnxruntime not instal
 OVERRIDES = ["roi_heads.score_thresh=0.35"]
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("export_tool", ROOT / "tools" / "export.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TOOL = load_tool()
+TOOL = load_tool("export")
 
 
 def tiny_model() -> torch.nn.Module:

@@ -1,4 +1,5 @@
 """Everything checked before work starts (issue 10): config numbers finite and in range,
+from conftest import load_tool
 AMP that fits the device, data paths, the output folder, model.num_classes from the data,
 class subsets (VOC and COCO), the num_workers cap and rank-0-only warnings.
 
@@ -8,7 +9,6 @@ non-zero exit and no traceback.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import warnings
@@ -41,6 +41,7 @@ from detector.data import (
 from detector.data.datasets import VOC_CLASSES
 from detector.data.loader import available_cpus, build_train_loader
 from detector.engine.log import setup_logging
+from conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -49,16 +50,9 @@ TINY = ROOT / "configs" / "tiny_cpu.yaml"
 VOC_OBJECTS = {"a": ["cat", "person", "person"], "b": ["dog", "car"], "c": ["cat", "dog", "person"]}
 
 
-def _train_tool():
-    spec = importlib.util.spec_from_file_location("train_tool_preflight", ROOT / "tools" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def train_tool():
-    return _train_tool()
+    return load_tool("train")
 
 
 @pytest.fixture
@@ -105,7 +99,7 @@ def coco_files(tmp_path):
 
 
 def _voc_overrides(root: Path, out: Path) -> list:
-    return [f"data.format=voc", f"data.train.root={root}", "data.train.split=train", f"data.val.root={root}",
+    return ["data.format=voc", f"data.train.root={root}", "data.train.split=train", f"data.val.root={root}",
             "data.val.split=val", f"train.output_dir={out}", "solver.max_iter=1", "solver.images_per_gpu=1"]
 
 

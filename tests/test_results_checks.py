@@ -5,7 +5,6 @@ traceback). Also: chunked reading of results files gives the same arrays."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,16 +16,10 @@ import pytest
 from detector.evaluation import results as results_mod
 from detector.evaluation.results import ResultsError, read_results_file
 from eval_fixtures import make_coco_case
+from conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = 3  # index of the broken record
-
-
-def eval_tool():
-    spec = importlib.util.spec_from_file_location("tool_eval_checks", ROOT / "tools" / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +56,7 @@ def test_bad_result_record_is_one_named_line(case, tmp_path, capsys, name):
         bad[BAD][field] = value
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(bad))  # NaN and Infinity as Python's json writes them
-    assert eval_tool().main(["--predictions", str(path), "--annotations", str(d / "gt.json")]) == 1
+    assert load_tool("eval").main(["--predictions", str(path), "--annotations", str(d / "gt.json")]) == 1
     out = capsys.readouterr()
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.err + out.out, out.err
@@ -92,7 +85,7 @@ def test_bad_ground_truth_record_is_one_named_line(case, tmp_path, capsys, name)
     spoil(bad)
     (tmp_path / "gt.json").write_text(json.dumps(bad))
     (tmp_path / "dets.json").write_text(json.dumps(dets))
-    assert eval_tool().main(["--predictions", str(tmp_path / "dets.json"), "--annotations", str(tmp_path / "gt.json")]) == 1
+    assert load_tool("eval").main(["--predictions", str(tmp_path / "dets.json"), "--annotations", str(tmp_path / "gt.json")]) == 1
     out = capsys.readouterr()
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.err + out.out, out.err

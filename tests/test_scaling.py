@@ -3,7 +3,6 @@ task), the all-reduce share, the DDP sweep's verdict, and bad arguments."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 
 from detector.benchmark.scaling import ScalingSweep, allreduce_share, sweep_verdict
 from detector.config import load_config
-from conftest import TINY_CONFIG, tiny_overrides
+from conftest import TINY_CONFIG, load_tool, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,19 +63,12 @@ def test_sweep_verdict_needs_a_win_beyond_noise():
     assert sweep_verdict(runs, "base", quiet)["winner"] is None
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("benchmark_tool", ROOT / "tools" / "benchmark.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
 def test_bad_sweep_arguments(capsys):
     with pytest.raises(ValueError, match=r"--bucket-caps must be numbers > 0"):
         ScalingSweep(bucket_caps_mb=(0.0,))
     with pytest.raises(ValueError, match=r"--world-sizes must be integers >= 1"):
         ScalingSweep(world_sizes=(0, 2))
-    tool = _load_tool()
+    tool = load_tool("benchmark")
     for flag, value, message in (("--bucket-views", "maybe", "--bucket-views takes false and/or true, got 'maybe'"),
                                  ("--bucket-caps", "25,-1", "--bucket-caps must be numbers > 0 (MiB), got [25.0, -1.0]"),
                                  ("--world-sizes", "1,two", "invalid literal for int()")):
@@ -90,7 +82,7 @@ def test_bad_sweep_arguments(capsys):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_scaling_task_json(tmp_path, tiny_data, restore_threads):
-    tool = _load_tool()
+    tool = load_tool("benchmark")
     out = tmp_path / "scaling.json"
     rc = tool.main(["--config", str(TINY_CONFIG), "--task", "scaling", "--iters", "2", "--warmup", "0",
                     "--num-batches", "1", "--threads", "2", "--world-sizes", "1,2", "--bucket-caps", "25",

@@ -28,6 +28,7 @@ from detector.data.split import (
     split_sizes,
     stratified_assign,
 )
+from conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,11 +150,7 @@ def test_kfold_validation_folds_partition_the_set(sets, kind, tmp_path):
     (["--folds", "1"], "error: --folds must be at least 2, got 1"),
 ])
 def test_refusals_are_one_line(sets, tmp_path, capsys, args, message):
-    from importlib.util import module_from_spec, spec_from_file_location
-
-    spec = spec_from_file_location("tool_split", ROOT / "tools" / "split_dataset.py")
-    tool = module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("split_dataset")
     rc = tool.main(["--annotations", str(sets["coco"]), "--out", str(tmp_path / "out"), *args])
     err = capsys.readouterr().err
     assert rc == 1 and err.strip() == message and "Traceback" not in err

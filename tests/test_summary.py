@@ -3,7 +3,6 @@ against the hand formula, frozen counts following model.freeze_at."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from torch import nn
 from detector.config import load_config
 from detector.modeling import build_model
 from detector.modeling.summary import count_flops, count_parameters, model_parts, model_summary
-from conftest import tiny_config
+from conftest import load_tool, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
@@ -81,9 +80,7 @@ def test_frozen_count_follows_freeze_at():
 
 
 def test_tool_writes_json(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("summary_tool", ROOT / "tools" / "summary.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("summary")
     out = tmp_path / "s.json"
     assert tool.main(["--config", str(TINY), "--image-size", "64", "96", "--json", str(out)]) == 0
     data = json.loads(out.read_text())

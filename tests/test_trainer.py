@@ -5,7 +5,6 @@ Everything runs on the CPU with 64-96 px images and a few iterations.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
@@ -30,7 +29,7 @@ from detector.engine.run_folder import RunFolderError
 from detector.engine.setup import apply_norm_policy
 from detector.engine.trainer import NonFiniteLossError, Trainer
 from detector.modeling import build_model
-from conftest import TINY_CONFIG, tiny_config, tiny_overrides
+from conftest import TINY_CONFIG, load_tool, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -267,18 +266,11 @@ def test_cli_errors_are_one_line(tmp_path):
 # --------------------------------------------------------------------------- the run folder and faults, end to end
 
 
-def _load_train_tool():
-    spec = importlib.util.spec_from_file_location("train_tool", ROOT / "tools" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def cli(capsys):
     """``tools/train.py``'s ``main`` in this process: returns ``(exit status, stderr)``.
     The ``detector`` and ``py.warnings`` loggers are restored afterwards (main configures them)."""
-    tool = _load_train_tool()
+    tool = load_tool("train")
     logs = [logging.getLogger(name) for name in ("detector", "py.warnings")]
 
     def run(*argv: str):
@@ -427,7 +419,7 @@ def test_bad_resume_checkpoints_are_one_line(data_root, tmp_path, cli):
 
 def test_resume_followed_by_an_override_keeps_the_override(tmp_path):
     """``--resume solver.lr=0.01``: the override stays an override; a real file stays CKPT."""
-    tool = _load_train_tool()
+    tool = load_tool("train")
     args = tool.parse_args(["--config", "c.yaml", "--resume", "solver.lr=0.01", "train.max_iter=3"])
     assert args.resume is True and args.overrides == ["solver.lr=0.01", "train.max_iter=3"]
     ckpt = tmp_path / "a=b.pth"

@@ -6,7 +6,6 @@ the tools never load the run's ``model.weights``."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pickle
 import subprocess
@@ -21,7 +20,7 @@ from PIL import Image
 from detector.config import load_config
 from detector.modeling import build_model
 from detector.modeling.weights import WeightsError, read_weights_file
-from conftest import TINY_CONFIG, tiny_overrides
+from conftest import TINY_CONFIG, load_tool, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +117,7 @@ def _check_error(stderr: str, path: Path, words: str, case: str) -> None:
 def test_tools_bad_weights_one_line(tool_setup, tool, case, capsys):
     root, overrides, image, files = tool_setup
     path, words = files[case]
-    assert _load_tool(tool).main(_tool_args(tool, path, root, overrides, image)[1:]) == 1
+    assert load_tool(tool).main(_tool_args(tool, path, root, overrides, image)[1:]) == 1
     _check_error(capsys.readouterr().err, path, words, case)
 
 
@@ -137,13 +136,6 @@ def test_tools_bad_weights_one_line_subprocess(tool_setup, tool, case):
     _check_error(proc.stderr, path, words, case)
 
 
-def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("tool", ["eval", "infer"])
 @pytest.mark.parametrize("weights", ["missing_file.pth", "FasterRCNN_ResNet50_FPN_Weights.COCO_V1"])
 def test_weights_flag_never_loads_model_weights(tool_setup, tool, weights, monkeypatch):
@@ -158,4 +150,4 @@ def test_weights_flag_never_loads_model_weights(tool_setup, tool, weights, monke
     root, overrides, image, _ = tool_setup
     source = str(root / weights) if weights.endswith(".pth") else weights
     args = _tool_args(tool, root / "good.pth", root, [*overrides, f"model.weights={source}"], image)
-    assert _load_tool(tool).main(args[1:]) == 0
+    assert load_tool(tool).main(args[1:]) == 0

@@ -104,8 +104,6 @@ def match_detections(
     order = np.lexsort((np.arange(len(pair_dt)), pair_round))  # by round, then as given
     rounds = pair_round[order]
     bounds = np.searchsorted(rounds, np.arange(int(rounds.max(initial=-1)) + 2))
-    a_idx = np.arange(num_a)[:, None, None]
-    t_idx = np.arange(len(IOU_THRS))[None, :, None]
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         if lo == hi:
             continue

@@ -7,7 +7,7 @@ the COCO dicts that every dataset and results file speak into those arrays once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List
 
 import numpy as np
 
