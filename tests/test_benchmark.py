@@ -150,6 +150,20 @@ def test_bad_arguments_have_clear_messages():
         run_benchmark(cfg, "eval", compare_torchvision=True)
 
 
+@pytest.mark.parametrize("config, extra, words", [
+    (TINY, ["model.num_clases=3"], ["model.num_clases", "did you mean"]),  # unknown key
+    (TINY.parent / "no_such_config.yaml", [], ["no_such_config.yaml"]),  # missing config file
+])
+def test_tool_bad_input_is_one_line(capsys, config, extra, words):
+    tool = load_tool("benchmark")
+    rc = tool.main(["--config", str(config), "--task", "train", "--iters", "1", "--warmup", "0", "--no-loader", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert rc == 1 and len(errors) == 1 and "Traceback" not in "\n".join(err), err
+    for word in words:
+        assert word in errors[0], errors[0]
+
+
 def test_command_memory_sees_the_child_allocation():
     import sys
 

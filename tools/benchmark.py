@@ -27,7 +27,9 @@ from pathlib import Path
 # set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from detector.config import load_config  # noqa: E402
+from detector.config import ConfigError, load_config  # noqa: E402
+from detector.data import DataError  # noqa: E402
+from detector.modeling.weights import WeightsError  # noqa: E402
 from detector.benchmark import TASKS, format_summary, run_benchmark  # noqa: E402
 from detector.benchmark.scaling import ScalingSweep  # noqa: E402
 
@@ -89,12 +91,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        result = _run(args)
+    except (ConfigError, DataError, WeightsError, FileNotFoundError) as exc:  # bad input: one line
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(format_summary(result))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config, args.overrides)
     if args.command:
         command = shlex.split(args.command)
     else:
         command = [sys.executable, str(TRAIN_PY), "--config", args.config, *args.overrides]
-    result = run_benchmark(
+    return run_benchmark(
         cfg,
         args.task,
         iters=args.iters,
@@ -117,11 +132,6 @@ def main(argv=None) -> int:
         command=command,
         scaling=args.scaling,
     )
-    print(format_summary(result))
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
