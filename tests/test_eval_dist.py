@@ -27,10 +27,10 @@ def test_coverage_check_names_duplicates_and_missing():
         _check_coverage([1, 2, 3], [1, 2])
 
 
-def _torchrun(nproc: int, overrides, weights: Path, out: Path, expect_rc: int = 0) -> str:
+def _torchrun(nproc: int, overrides, weights: Path, out: Path, expect_rc: int = 0, *launcher: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
         str(ROOT / "tools" / "eval.py"), "--config", str(TINY_CONFIG),
         "--weights", str(weights), "--output-dir", str(out), *overrides,
     ]  # fmt: skip
@@ -94,8 +94,12 @@ def test_an_image_missing_on_one_rank_stops_every_rank_with_one_line(tmp_path):
     missing = next(p for p in data.rglob(Path(last).name))
     missing.unlink()
 
-    log = _torchrun(2, overrides, tmp_path / "w.pth", tmp_path / "out", expect_rc=1)
-    errors = [line for line in log.splitlines() if line.startswith("error: ")]
-    assert any("evaluation failed on rank 1" in e and missing.name in e for e in errors), log[-3000:]
-    assert any(missing.name in e and "rank 1" not in e for e in errors), log[-3000:]  # rank 1's own line
-    assert "Traceback" not in "\n".join(errors)
+    logs = tmp_path / "logs"  # one stderr file per rank: lines of two ranks never interleave
+    _torchrun(2, overrides, tmp_path / "w.pth", tmp_path / "out", 1, "--log-dir", str(logs), "--redirects=3")
+    stderr = {p.parent.name: p.read_text() for p in logs.rglob("stderr.log")}
+    assert sorted(stderr) == ["0", "1"], stderr
+    for rank, text in stderr.items():
+        errors = [line for line in text.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "Traceback" not in text and missing.name in errors[0], (rank, text[-3000:])
+    assert "evaluation failed on rank 1 (FileNotFoundError" in stderr["0"]  # rank 0 names rank 1
+    assert "rank 1" not in stderr["1"]  # rank 1 names its own missing file
