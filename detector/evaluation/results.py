@@ -158,6 +158,36 @@ def _box_ok(b: Any) -> bool:
             and all(np.isfinite(v) for v in b) and b[2] >= 0 and b[3] >= 0)
 
 
+def _field_error(records: Sequence[Any], field: str, ok, source: str, label, owner: str) -> ResultsError:
+    """The error naming the first record whose ``field`` fails ``ok``, as ``label(i)``;
+    when every record passes (integers beyond 64 bits), one line about the column."""
+    i = _first_bad(records, field, ok)
+    if i < 0:
+        return ResultsError(f"{source}: {owner} '{field}' values do not fit 64-bit numbers")
+    return _record_error(source, label(i), records[i], field)
+
+
+def _id_and_box_columns(records: Sequence[Any], cols: Dict[str, List[Any]], source: str, label,
+                        owner: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``image_id`` and ``category_id`` columns (int64 ``[N]``) and the ``bbox``
+    column (float64 ``[N, 4]``, xywh, finite, ``w, h >= 0``) of ``records``, from their
+    field lists ``cols``; else a ResultsError naming the first bad record as ``label(i)``."""
+    image_id = _int_column(cols["image_id"])
+    if image_id is None:
+        raise _field_error(records, "image_id", _is_int, source, label, owner)
+    category_id = _int_column(cols["category_id"])
+    if category_id is None:
+        raise _field_error(records, "category_id", _is_int, source, label, owner)
+    bbox = _float_column(cols["bbox"], 4)
+    if bbox is None:
+        raise _field_error(records, "bbox", _box_ok, source, label, owner)
+    bad = ~np.isfinite(bbox).all(axis=1) | (bbox[:, 2] < 0) | (bbox[:, 3] < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise _record_error(source, label(i), records[i], "bbox")
+    return image_id, category_id, bbox
+
+
 def detections_from_records(records: Sequence[Any], source: str = "detections", first_index: int = 0) -> Detections:
     """Check the fields of every record and return them as :class:`Detections`.
 
@@ -182,32 +212,17 @@ def detections_from_records(records: Sequence[Any], source: str = "detections", 
         i = next(i for i, r in enumerate(records) if not isinstance(r, dict))
         raise _record_error(source, f"result {first_index + i}", records[i], "image_id") from None
 
-    def fail(field: str, ok) -> ResultsError:
-        i = _first_bad(records, field, ok)
-        if i < 0:  # e.g. integers beyond 64 bits
-            return ResultsError(f"{source}: the '{field}' values do not fit 64-bit numbers")
-        return _record_error(source, f"result {first_index + i}", records[i], field)
+    def label(i: int) -> str:
+        return f"result {first_index + i}"
 
-    image_id = _int_column(cols["image_id"])
-    if image_id is None:
-        raise fail("image_id", _is_int)
-    category_id = _int_column(cols["category_id"])
-    if category_id is None:
-        raise fail("category_id", _is_int)
-    bbox = _float_column(cols["bbox"], 4)
-    if bbox is None:
-        raise fail("bbox", _box_ok)
-    bad = ~np.isfinite(bbox).all(axis=1) | (bbox[:, 2] < 0) | (bbox[:, 3] < 0)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise _record_error(source, f"result {first_index + i}", records[i], "bbox")
+    image_id, category_id, bbox = _id_and_box_columns(records, cols, source, label, "the")
     score = _float_column(cols["score"])
     if score is None:
-        raise fail("score", lambda v: _is_number(v) and np.isfinite(v))
+        raise _field_error(records, "score", lambda v: _is_number(v) and np.isfinite(v), source, label, "the")
     bad = ~np.isfinite(score)
     if bad.any():
         i = int(np.argmax(bad))
-        raise _record_error(source, f"result {first_index + i}", records[i], "score")
+        raise _record_error(source, label(i), records[i], "score")
     return Detections(image_id, category_id, bbox, score)
 
 
@@ -295,25 +310,7 @@ def check_ground_truth(gt: Any, source: str = "ground truth") -> Tuple[np.ndarra
             raise ResultsError(f"{source}: annotations[{i}] is not an object: {_describe(ann)}")
     cols = {f: [a.get(f) for a in anns] for f in ("image_id", "category_id", "bbox")}
 
-    def fail(field: str, ok) -> ResultsError:
-        i = _first_bad(anns, field, ok)
-        if i < 0:
-            return ResultsError(f"{source}: the annotations' '{field}' values do not fit 64-bit numbers")
-        return _record_error(source, f"annotations[{i}]", anns[i], field)
-
-    img = _int_column(cols["image_id"])
-    if img is None:
-        raise fail("image_id", _is_int)
-    cat = _int_column(cols["category_id"])
-    if cat is None:
-        raise fail("category_id", _is_int)
-    box = _float_column(cols["bbox"], 4)
-    if box is None:
-        raise fail("bbox", _box_ok)
-    bad = ~np.isfinite(box).all(axis=1) | (box[:, 2] < 0) | (box[:, 3] < 0)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise _record_error(source, f"annotations[{i}]", anns[i], "bbox")
+    img, cat, _ = _id_and_box_columns(anns, cols, source, lambda i: f"annotations[{i}]", "the annotations'")
     bad = ~np.isin(img, image_ids)
     if bad.any():
         i = int(np.argmax(bad))
