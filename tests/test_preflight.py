@@ -322,18 +322,24 @@ BAD_INPUTS = ["lr_nan", "lr_inf", "warmup_factor_negative", "gamma_negative", "n
               "float16_amp_on_cpu", "class_name_typo"]
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS)
-def test_train_tool_refuses_bad_input_with_one_line(case, train_tool, voc_root, tmp_path, capsys):
-    cases, out = _bad_inputs(voc_root, tmp_path)
-    extra, expected = cases[case]
-    argv = ["--config", str(TINY), *_voc_overrides(voc_root, out), "train.device=cpu", *extra]
+def _run_train_tool(train_tool, argv: list, capsys):
+    """``tools/train.py``'s main in this process: ``(exit status, stderr lines starting
+    with "error:", captured output)``; the logging it set up is undone."""
     try:
         code = train_tool.main(argv)
     finally:
         logging.getLogger("detector").handlers.clear()
         logging.captureWarnings(False)
     captured = capsys.readouterr()
-    err_lines = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    return code, [line for line in captured.err.splitlines() if line.startswith("error:")], captured
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_train_tool_refuses_bad_input_with_one_line(case, train_tool, voc_root, tmp_path, capsys):
+    cases, out = _bad_inputs(voc_root, tmp_path)
+    extra, expected = cases[case]
+    argv = ["--config", str(TINY), *_voc_overrides(voc_root, out), "train.device=cpu", *extra]
+    code, err_lines, captured = _run_train_tool(train_tool, argv, capsys)
     assert code != 0
     assert len(err_lines) == 1, captured.err
     for text in expected:
@@ -426,13 +432,7 @@ def test_train_tool_offline_backbone_weights(monkeypatch, tmp_path, train_tool, 
     _offline(monkeypatch, tmp_path)
     argv = ["--config", str(TINY), *_voc_overrides(voc_root, tmp_path / "run"), "train.device=cpu",
             "data.class_names=[cat,dog,person]", "model.backbone_weights=ResNet18_Weights.IMAGENET1K_V1"]
-    try:
-        code = train_tool.main(argv)
-    finally:
-        logging.getLogger("detector").handlers.clear()
-        logging.captureWarnings(False)
-    captured = capsys.readouterr()
-    err_lines = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    code, err_lines, captured = _run_train_tool(train_tool, argv, capsys)
     assert code == 1 and len(err_lines) == 1
     assert "model.backbone_weights" in err_lines[0] and "resnet18-f37072fd.pth" in err_lines[0]
     assert "Traceback" not in captured.err + captured.out
