@@ -88,7 +88,8 @@ def test_training_on_a_canvas_gives_finite_losses_and_gradients():
 
 
 def test_padding_cost_counts_pixels_per_aspect_group(tmp_path, capsys):
-    from detector.benchmark.canvas_cost import main, padding_cost, resized_size
+    from detector.benchmark.canvas_cost import main, padding_cost
+    from detector.data.transforms import resized_shape as resized_size  # the rule main() resizes by
 
     canvases = [[800, 1344], [1344, 800]]
     # Two landscape images share a batch; the portrait one is alone in its group.

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import List, Sequence, Tuple
 
 from ..config import load_config
+from ..data.samplers import aspect_ratio_group_ids
+from ..data.transforms import resized_shape
 from ..modeling.faster_rcnn import batch_shape
 
 
@@ -38,17 +40,12 @@ class PaddingCost:
         return self.canvas_mp / self.padded_mp - 1.0
 
 
-def resized_size(height: int, width: int, min_size: int, max_size: int) -> Tuple[int, int]:
-    """``(H, W)`` after the shorter side is scaled to ``min_size`` with the longer side
-    at most ``max_size`` (pixels, rounded as the resize rounds)."""
-    scale = min(min_size / min(height, width), max_size / max(height, width))
-    return round(height * scale), round(width * scale)
-
-
 def padding_cost(sizes: Sequence[Tuple[int, int]], images_per_batch: int, size_divisibility: int,
                  canvases: Sequence[Sequence[int]]) -> PaddingCost:
-    """Pixels of the resized ``sizes`` ``[(H, W), ...]`` batched within aspect groups."""
-    groups: List[List[Tuple[int, int]]] = [[s for s in sizes if s[1] < s[0]], [s for s in sizes if s[1] >= s[0]]]
+    """Pixels of the resized ``sizes`` ``[(H, W), ...]`` batched within the training
+    sampler's aspect groups (:func:`aspect_ratio_group_ids`), in the given order."""
+    group_ids = aspect_ratio_group_ids([w / h for h, w in sizes])
+    groups: List[List[Tuple[int, int]]] = [[s for s, g in zip(sizes, group_ids) if g == k] for k in (0, 1)]
     image = padded = canvas = 0
     for group in groups:
         for start in range(0, len(group), images_per_batch):
@@ -73,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> PaddingCost:
     with open(args.annotations) as f:
         images = json.load(f)["images"]
     min_size, max_size = max(cfg.input.min_size_train), cfg.input.max_size_train
-    sizes = [resized_size(im["height"], im["width"], min_size, max_size) for im in images]
+    sizes = [resized_shape(im["height"], im["width"], min_size, max_size) for im in images]
     cost = padding_cost(sizes, cfg.solver.images_per_gpu, cfg.model.size_divisibility, canvases)
     print(json.dumps({**asdict(cost), "canvases": canvases, "padded_over_image": cost.padded_mp / cost.image_mp - 1,
                       "canvas_over_padded": cost.canvas_over_padded}))
