@@ -42,26 +42,28 @@ class BoxCoder:
         """Deltas that turn ``reference`` boxes into ``target`` boxes.
 
         Args:
-            reference: ``[N, 4]`` boxes (anchors or proposals), x1y1x2y2 pixels.
-            target: ``[N, 4]`` matched ground-truth boxes.
+            reference: ``[..., 4]`` boxes (anchors or proposals), x1y1x2y2 pixels.
+            target: ``[..., 4]`` matched ground-truth boxes, the same shape.
 
         Returns:
-            ``[N, 4]`` deltas ``(dx, dy, dw, dh)`` scaled by the weights.
+            ``[..., 4]`` deltas ``(dx, dy, dw, dh)`` scaled by the weights.
         """
         wx, wy, ww, wh = self.weights
-        ref_w = reference[:, 2] - reference[:, 0]
-        ref_h = reference[:, 3] - reference[:, 1]
-        ref_cx = reference[:, 0] + 0.5 * ref_w
-        ref_cy = reference[:, 1] + 0.5 * ref_h
-        gt_w = target[:, 2] - target[:, 0]
-        gt_h = target[:, 3] - target[:, 1]
-        gt_cx = target[:, 0] + 0.5 * gt_w
-        gt_cy = target[:, 1] + 0.5 * gt_h
+        rx1, ry1, rx2, ry2 = reference.unbind(-1)
+        tx1, ty1, tx2, ty2 = target.unbind(-1)
+        ref_w = rx2 - rx1
+        ref_h = ry2 - ry1
+        ref_cx = rx1 + 0.5 * ref_w
+        ref_cy = ry1 + 0.5 * ref_h
+        gt_w = tx2 - tx1
+        gt_h = ty2 - ty1
+        gt_cx = tx1 + 0.5 * gt_w
+        gt_cy = ty1 + 0.5 * gt_h
         dx = wx * (gt_cx - ref_cx) / ref_w
         dy = wy * (gt_cy - ref_cy) / ref_h
         dw = ww * torch.log(gt_w / ref_w)
         dh = wh * torch.log(gt_h / ref_h)
-        return torch.stack((dx, dy, dw, dh), dim=1)
+        return torch.stack((dx, dy, dw, dh), dim=-1)
 
     def decode(self, deltas: Tensor, reference: Tensor) -> Tensor:
         """Apply deltas to reference boxes.

@@ -7,7 +7,7 @@ Shapes: R RoIs in the batch, C = K + 1 classes (0 = background).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,7 @@ from torchvision.ops import batched_nms, box_area
 
 from .box_coder import BoxCoder, clip_boxes
 from .losses import weighted_smooth_l1
-from .matching import match_by_iou, sample_minibatch
+from .matching import IGNORE, match_by_iou, pad_boxes, pad_rows, sample_minibatch
 from .roi_align import multi_level_roi_align, roi_align
 
 
@@ -34,8 +34,8 @@ class MultiLevelRoIAlign(nn.Module):
         sampling_ratio: RoIAlign samples per bin side (0 = adaptive).
         aligned: shift boxes by -0.5 px (pixel-centre model, ``roi_align(aligned=True)``).
 
-    Forward: features (per level ``[N, C, H_l, W_l]``), boxes (per image ``[R_i, 4]``)
-    -> ``[sum R_i, C, S, S]``.
+    Forward: features (per level ``[N, C, H_l, W_l]``), boxes (per image ``[R_i, 4]``, or
+    ``[N, R, 4]``) -> ``[sum R_i, C, S, S]``.
     """
 
     def __init__(self, strides: Sequence[int], output_size: int = 7, sampling_ratio: int = 2,
@@ -58,9 +58,14 @@ class MultiLevelRoIAlign(nn.Module):
         k = torch.floor(self.canonical_level + torch.log2(size / self.canonical_scale) + 1e-6)
         return k.clamp(self.k_min, self.k_max).to(torch.int64) - self.k_min
 
-    def forward(self, features: List[Tensor], boxes: List[Tensor]) -> Tensor:
-        concat = torch.cat(boxes, dim=0)
-        batch_idx = torch.cat([torch.full_like(b[:, :1], i, dtype=concat.dtype) for i, b in enumerate(boxes)])
+    def forward(self, features: List[Tensor], boxes: Union[List[Tensor], Tensor]) -> Tensor:
+        if isinstance(boxes, Tensor):  # [N, S, 4]: S boxes for each image
+            concat = boxes.reshape(-1, 4)
+            batch_idx = torch.arange(boxes.shape[0], dtype=concat.dtype, device=concat.device)
+            batch_idx = batch_idx.repeat_interleave(boxes.shape[1])[:, None]
+        else:
+            concat = torch.cat(boxes, dim=0)
+            batch_idx = torch.cat([torch.full_like(b[:, :1], i, dtype=concat.dtype) for i, b in enumerate(boxes)])
         rois = torch.cat((batch_idx, concat), dim=1)
         if len(features) == 1:
             return roi_align(features[0], rois, self.output_size, self.scales[0], self.sampling_ratio, self.aligned)
@@ -176,36 +181,31 @@ class ROIHeads(nn.Module):
     @torch.no_grad()
     def sample_proposals(
         self, proposals: List[Tensor], targets: List[Dict[str, Tensor]]
-    ) -> Tuple[List[Tensor], Tensor, Tensor, Tensor]:
-        """Append the ground truth to the proposals, label and sample them.
+    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Append the ground truth to the proposals, label and sample them, for all
+        images at once (no loop over images: proposals and ground truth are padded to
+        one count per image, and padding candidates are never drawn).
 
         Returns:
-            rois: per image ``[S_i, 4]`` sampled boxes.
-            labels: ``[R]`` int64 class per RoI (0 background), R = sum S_i.
+            rois: ``[N, S, 4]`` sampled boxes of each image (``S`` slots per image).
+            labels: ``[R]`` int64 class per RoI (0 background), R = N * S.
             reg_targets: ``[R, 4]`` encoded matched ground truth (0 for background).
             valid: ``[R]`` bool, False for padding slots (zero loss weight).
         """
-        rois, labels, reg_targets, valid = [], [], [], []
-        for props, target in zip(proposals, targets):
-            gt_boxes = target["boxes"].to(props.dtype)
-            gt_labels = target["labels"]
-            candidates = torch.cat((props, gt_boxes), dim=0)
-            match_labels, matched, _ = match_by_iou(gt_boxes, candidates, self.fg_iou_thresh,
-                                                    self.bg_iou_lo, self.bg_iou_hi)
-            sample = sample_minibatch(match_labels, self.batch_size_per_image, self.positive_fraction)
-            boxes = candidates[sample.index]
-            if gt_boxes.shape[0] > 0:
-                gt_idx = matched[sample.index]
-                cls = torch.where(sample.foreground, gt_labels[gt_idx], 0)
-                deltas = self.box_coder.encode(boxes, gt_boxes[gt_idx]) * sample.foreground[:, None]
-            else:
-                cls = torch.zeros_like(sample.index)
-                deltas = boxes.new_zeros(boxes.shape)
-            rois.append(boxes)
-            labels.append(cls)
-            reg_targets.append(deltas)
-            valid.append(sample.valid)
-        return rois, torch.cat(labels), torch.cat(reg_targets), torch.cat(valid)
+        props, props_real = pad_boxes(proposals)  # [N, P, 4]
+        gt_boxes, gt_real = pad_boxes([t["boxes"].to(props.dtype) for t in targets])  # [N, G, 4]
+        gt_labels = pad_rows([t["labels"] for t in targets], gt_boxes.shape[1], 0)  # [N, G]
+        candidates = torch.cat((props, gt_boxes), dim=1)  # [N, M, 4]
+        match_labels, matched, _ = match_by_iou(gt_boxes, candidates, self.fg_iou_thresh,
+                                                self.bg_iou_lo, self.bg_iou_hi, gt_valid=gt_real)
+        match_labels = torch.where(torch.cat((props_real, gt_real), dim=1), match_labels, IGNORE)
+        sample = sample_minibatch(match_labels, self.batch_size_per_image, self.positive_fraction)  # [N, S]
+        boxes = candidates.gather(1, sample.index[:, :, None].expand(-1, -1, 4))
+        gt_idx = matched.gather(1, sample.index)
+        cls = torch.where(sample.foreground, gt_labels.gather(1, gt_idx), 0)
+        matched_gt = gt_boxes.gather(1, gt_idx[:, :, None].expand(-1, -1, 4))
+        deltas = self.box_coder.encode(boxes, matched_gt) * sample.foreground[:, :, None]
+        return boxes, cls.flatten(), deltas.reshape(-1, 4), sample.valid.flatten()
 
     def losses(self, class_logits: Tensor, box_deltas: Tensor, labels: Tensor, reg_targets: Tensor,
                valid: Tensor) -> Dict[str, Tensor]:

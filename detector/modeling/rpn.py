@@ -15,7 +15,7 @@ from torchvision.ops import batched_nms
 from .anchors import AnchorGenerator
 from .box_coder import BoxCoder, clip_boxes
 from .losses import weighted_smooth_l1
-from .matching import Sample, match_by_iou, sample_minibatch
+from .matching import Sample, match_by_iou, pad_boxes, sample_minibatch
 
 
 class RPNHead(nn.Module):
@@ -73,23 +73,24 @@ def top_count(available: int, k: int) -> int:
 
 
 def rpn_outside_weights(sample: Sample, positive_weight: float) -> Tensor:
-    """Per-anchor outside weights of the sampled anchors (py-faster-rcnn).
+    """Per-anchor outside weights of the sampled anchors (py-faster-rcnn), per image.
 
     ``positive_weight < 0``: ``1 / num_sampled`` for every sampled anchor (they sum to 1).
     ``positive_weight = p`` in (0, 1): ``p / num_pos`` for foreground and
     ``(1 - p) / num_neg`` for background anchors.
 
     Returns:
-        ``[S]`` float, 0 on invalid slots.
+        ``[S]`` (``[B, S]`` for a batched sample) float, 0 on invalid slots.
     """
     valid = sample.valid.float()
     if positive_weight < 0:
-        return valid / valid.sum().clamp(min=1.0)
+        return valid / valid.sum(-1, keepdim=True).clamp(min=1.0)
     if not 0.0 < positive_weight < 1.0:
         raise ValueError(f"rpn.positive_weight must be -1 or in (0, 1), got {positive_weight}")
     fg = sample.foreground.float()
     bg = valid - fg
-    return positive_weight * fg / fg.sum().clamp(min=1.0) + (1.0 - positive_weight) * bg / bg.sum().clamp(min=1.0)
+    return (positive_weight * fg / fg.sum(-1, keepdim=True).clamp(min=1.0)
+            + (1.0 - positive_weight) * bg / bg.sum(-1, keepdim=True).clamp(min=1.0))
 
 
 class RegionProposalNetwork(nn.Module):
@@ -197,18 +198,20 @@ class RegionProposalNetwork(nn.Module):
 
     # ------------------------------------------------------------------ training
 
-    def label_anchors(self, anchors: Tensor, gt_boxes: Tensor) -> Tuple[Tensor, Tensor]:
+    def label_anchors(self, anchors: Tensor, gt_boxes: Tensor,
+                      gt_valid: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """Anchor labels: IoU >= fg_iou_thresh foreground (1), < bg_iou_thresh background
         (0), between ignored (-1); each ground truth's best anchors are foreground too.
 
         Args:
-            anchors: ``[T, 4]``; gt_boxes: ``[G, 4]``.
+            anchors: ``[T, 4]``; gt_boxes: ``[G, 4]``, or ``[B, G, 4]`` with ``gt_valid``
+                ``[B, G]`` (``matching.pad_boxes``) for a batch.
 
         Returns:
-            labels ``[T]`` int64 and matched ground-truth index ``[T]``.
+            labels ``[T]`` (``[B, T]``) int64 and matched ground-truth index ``[T]`` (``[B, T]``).
         """
         labels, matched, _ = match_by_iou(gt_boxes, anchors, self.fg_iou_thresh, 0.0, self.bg_iou_thresh,
-                                          allow_low_quality=True)
+                                          allow_low_quality=True, gt_valid=gt_valid)
         return labels, matched
 
     def losses(
@@ -218,35 +221,35 @@ class RegionProposalNetwork(nn.Module):
         deltas: Tensor,
         targets: List[Dict[str, Tensor]],
     ) -> Dict[str, Tensor]:
-        """Objectness BCE and weighted SmoothL1 on the sampled anchors.
+        """Objectness BCE and weighted SmoothL1 on the sampled anchors, for all images at
+        once (labels, sampling and targets are batched: no loop over images).
 
         Each image's losses are normalised as in py-faster-rcnn (the BCE by the number
         of sampled anchors, the box loss by the outside weights); the batch loss is the
-        mean over images.
+        mean over images. An image without boxes has only background anchors and no
+        box loss.
 
         Args:
             anchors: ``[T, 4]`` all levels concatenated.
             logits: ``[N, T]``; deltas: ``[N, T, 4]``.
             targets: per image ``boxes`` ``[G, 4]``.
         """
-        loss_cls = logits.new_zeros(())
-        loss_box = logits.new_zeros(())
-        for i, target in enumerate(targets):
-            gt = target["boxes"]
-            labels, matched = self.label_anchors(anchors, gt)
-            sample = sample_minibatch(labels, self.batch_size_per_image, self.positive_fraction)
-            idx = sample.index
-            valid = sample.valid.to(logits.dtype)
-            fg = sample.foreground.to(logits.dtype)
-            bce = F.binary_cross_entropy_with_logits(logits[i, idx], fg, reduction="none")
-            loss_cls = loss_cls + (bce * valid).sum() / valid.sum().clamp(min=1.0)
-            if gt.shape[0] > 0:
-                reg_targets = self.box_coder.encode(anchors[idx], gt[matched[idx]])
-                inside = fg[:, None].expand(-1, 4)
-                outside = rpn_outside_weights(sample, self.positive_weight)[:, None].expand(-1, 4)
-                loss_box = loss_box + weighted_smooth_l1(deltas[i, idx], reg_targets, inside, outside, self.sigma)
-            else:
-                loss_box = loss_box + 0.0 * deltas[i, idx].sum()
+        gt, gt_valid = pad_boxes([t["boxes"] for t in targets])  # [N, G, 4], [N, G]
+        labels, matched = self.label_anchors(anchors, gt, gt_valid)  # [N, T]
+        sample = sample_minibatch(labels, self.batch_size_per_image, self.positive_fraction)  # [N, S]
+        idx = sample.index
+        valid = sample.valid.to(logits.dtype)
+        fg = sample.foreground.to(logits.dtype)
+        bce = F.binary_cross_entropy_with_logits(logits.gather(1, idx), fg, reduction="none")
+        loss_cls = ((bce * valid).sum(1) / valid.sum(1).clamp(min=1.0)).sum()
+        # Background and padding slots get inside weight 0; an image without boxes is
+        # matched to PAD_BOX, whose finite targets then carry no weight.
+        matched_gt = gt.gather(1, matched.gather(1, idx)[:, :, None].expand(-1, -1, 4))  # [N, S, 4]
+        reg_targets = self.box_coder.encode(anchors[idx], matched_gt)
+        inside = fg[:, :, None].expand(-1, -1, 4)
+        outside = rpn_outside_weights(sample, self.positive_weight)[:, :, None].expand(-1, -1, 4)
+        sampled_deltas = deltas.gather(1, idx[:, :, None].expand(-1, -1, 4))
+        loss_box = weighted_smooth_l1(sampled_deltas, reg_targets, inside, outside, self.sigma)
         n = max(len(targets), 1)
         return {"loss_rpn_cls": loss_cls / n, "loss_rpn_box": loss_box / n}
 
