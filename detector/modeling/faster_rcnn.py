@@ -30,32 +30,55 @@ def check_inputs(images: Sequence[Tensor], targets: Optional[Sequence[Dict[str, 
         return
     if len(targets) != len(images):
         raise ValueError(f"got {len(images)} images but {len(targets)} targets")
-    for i, target in enumerate(targets):
-        for key in ("boxes", "labels"):
-            if key not in target:
-                raise ValueError(f"image {i}: field '{key}' is missing from the target")
-        boxes, labels = target["boxes"], target["labels"]
-        if boxes.numel() == 0:
-            boxes = boxes.reshape(0, 4)
-        if boxes.dim() != 2 or boxes.shape[1] != 4:
-            raise ValueError(f"image {i}: field 'boxes' must have shape [N, 4], got {list(boxes.shape)}")
-        if labels.dim() != 1 or labels.shape[0] != boxes.shape[0]:
-            raise ValueError(f"image {i}: field 'labels' must have shape [{boxes.shape[0]}], got {list(labels.shape)}")
-        if boxes.shape[0] == 0:
-            continue
-        if not torch.isfinite(boxes).all():
-            j = int((~torch.isfinite(boxes)).any(dim=1).nonzero()[0])
-            raise ValueError(f"image {i}: field 'boxes': box {j} has a non-finite coordinate {boxes[j].tolist()}")
-        bad = (boxes[:, 2] <= boxes[:, 0]) | (boxes[:, 3] <= boxes[:, 1])
-        if bad.any():
-            j = int(bad.nonzero()[0])
-            raise ValueError(f"image {i}: field 'boxes': box {j} {boxes[j].tolist()} needs x2 > x1 and y2 > y1")
-        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-            raise ValueError(f"image {i}: field 'labels' must be integers, got {labels.dtype}")
-        bad = (labels < 1) | (labels > num_classes)
-        if bad.any():
-            j = int(bad.nonzero()[0])
-            raise ValueError(f"image {i}: field 'labels': label {int(labels[j])} at index {j} is outside 1..{num_classes}")
+    shaped = [_target_tensors(i, target) for i, target in enumerate(targets)]
+    # The value checks run once over all images (few operators per batch); only when
+    # one fails are the images checked one by one, to name the first bad one.
+    boxes = [b for b, _ in shaped if b.shape[0] > 0]
+    if not boxes:
+        return
+    all_boxes = torch.cat(boxes)
+    all_labels = torch.cat([lb for _, lb in shaped])
+    x1, y1, x2, y2 = all_boxes.unbind(1)
+    bad = ~torch.isfinite(all_boxes).all() | ((x2 <= x1) | (y2 <= y1)).any() \
+        | ((all_labels < 1) | (all_labels > num_classes)).any()
+    if bad:
+        for i, (b, lb) in enumerate(shaped):
+            _check_target_values(i, b, lb, num_classes)
+
+
+def _target_tensors(i: int, target: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
+    """Image ``i``'s ``boxes`` ``[G, 4]`` and integer ``labels`` ``[G]``, or ``ValueError``
+    naming the field."""
+    for key in ("boxes", "labels"):
+        if key not in target:
+            raise ValueError(f"image {i}: field '{key}' is missing from the target")
+    boxes, labels = target["boxes"], target["labels"]
+    if boxes.numel() == 0:
+        boxes = boxes.reshape(0, 4)
+    if boxes.dim() != 2 or boxes.shape[1] != 4:
+        raise ValueError(f"image {i}: field 'boxes' must have shape [N, 4], got {list(boxes.shape)}")
+    if labels.dim() != 1 or labels.shape[0] != boxes.shape[0]:
+        raise ValueError(f"image {i}: field 'labels' must have shape [{boxes.shape[0]}], got {list(labels.shape)}")
+    if boxes.shape[0] > 0 and (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool):
+        raise ValueError(f"image {i}: field 'labels' must be integers, got {labels.dtype}")
+    return boxes, labels
+
+
+def _check_target_values(i: int, boxes: Tensor, labels: Tensor, num_classes: int) -> None:
+    """``ValueError`` naming image ``i``'s first non-finite or empty box, or label outside 1..K."""
+    if boxes.shape[0] == 0:
+        return
+    if not torch.isfinite(boxes).all():
+        j = int((~torch.isfinite(boxes)).any(dim=1).nonzero()[0])
+        raise ValueError(f"image {i}: field 'boxes': box {j} has a non-finite coordinate {boxes[j].tolist()}")
+    bad = (boxes[:, 2] <= boxes[:, 0]) | (boxes[:, 3] <= boxes[:, 1])
+    if bad.any():
+        j = int(bad.nonzero()[0])
+        raise ValueError(f"image {i}: field 'boxes': box {j} {boxes[j].tolist()} needs x2 > x1 and y2 > y1")
+    bad = (labels < 1) | (labels > num_classes)
+    if bad.any():
+        j = int(bad.nonzero()[0])
+        raise ValueError(f"image {i}: field 'labels': label {int(labels[j])} at index {j} is outside 1..{num_classes}")
 
 
 def batch_shape(sizes: Sequence[Tuple[int, int]], size_divisibility: int,
