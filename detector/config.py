@@ -510,6 +510,11 @@ def validate_config(cfg: Config) -> None:
                 f"config key 'model.canvas_sizes' takes [height, width] pairs that are positive multiples of "
                 f"model.size_divisibility ({d}), got {canvas}"
             )
+    if cfg.train.compile_backbone and not cfg.model.canvas_sizes:
+        raise ConfigError(
+            "config key 'train.compile_backbone' needs 'model.canvas_sizes' (fixed batch shapes): without them every "
+            "new batch size recompiles, measured slower than eager on the CPU and on an H100 (docs/performance.md)"
+        )
     if not cfg.model.return_stages or any(s not in (1, 2, 3, 4) for s in cfg.model.return_stages):
         raise ConfigError(f"config key 'model.return_stages' takes stages from 1..4, got {cfg.model.return_stages}")
     n_levels = len(cfg.model.return_stages) + 1  # + the max-pool level

@@ -32,6 +32,16 @@ def test_batch_shape_falls_back_to_its_own_size_when_no_canvas_holds_it():
     assert batch_shape([(400, 100)], 32, CANVASES) == (416, 128)
 
 
+def test_compile_backbone_needs_canvases():
+    """Compiling the backbone without fixed shapes recompiles for every new batch size
+    and was slower than eager on both devices measured: refused in one line."""
+    with pytest.raises(ConfigError, match="'train.compile_backbone' needs 'model.canvas_sizes'") as err:
+        load_config(TINY, ["train.compile_backbone=true"])
+    assert "\n" not in str(err.value)
+    cfg = load_config(TINY, ["train.compile_backbone=true", f"model.canvas_sizes={CANVASES}"])
+    assert cfg.train.compile_backbone
+
+
 @pytest.mark.parametrize("bad", ["[[100, 224]]", "[[160]]", "[[0, 224]]"])
 def test_canvas_sizes_must_be_multiples_of_the_divisibility(bad):
     with pytest.raises(ConfigError, match="model.canvas_sizes"):

@@ -35,7 +35,7 @@ def apply_speed_options(model: nn.Module, cfg: Config, device: torch.device) -> 
         backbone = getattr(model, "backbone", None)
         if backbone is None:
             raise ValueError("train.compile_backbone=true but the model has no 'backbone' attribute")
-        backbone.compile()
+        backbone.compile(dynamic=False)  # one static graph per canvas
     return model
 
 

@@ -72,7 +72,7 @@ def prepare_model(model: nn.Module, cfg: Config, device: torch.device, world_siz
     if cfg.train.channels_last:
         model.to(memory_format=torch.channels_last)
     if cfg.train.compile_backbone and hasattr(model, "backbone"):
-        model.backbone.compile()
+        model.backbone.compile(dynamic=False)  # one static graph per canvas
     model.train()
     if world_size <= 1:
         return model, model
