@@ -147,6 +147,10 @@ class DataConfig:
     # COCO category names (default every category of the JSON). A subset trains on
     # those classes only; boxes of the other classes are dropped (counted in the log).
     class_names: List[str] = field(default_factory=list)
+    # Labels of COCO-format data: "contiguous" maps the categories (sorted by id, or in
+    # data.class_names order) to 1..K; "category_id" keeps label = category_id, so K is
+    # the largest id in use (COCO: 90, as torchvision's COCO weights). Not for VOC.
+    label_space: str = "contiguous"
     filter_empty: bool = True
     use_difficult: bool = False
     shapes: ShapesConfig = field(default_factory=ShapesConfig)
@@ -393,6 +397,7 @@ _CHOICES = {
     "model.backbone": ("resnet18", "resnet34", "resnet50", "resnet101"),
     "model.norm": ("frozen_bn", "bn", "syncbn", "gn"),
     "data.format": ("coco", "voc", "shapes"),
+    "data.label_space": ("contiguous", "category_id"),
     "solver.optimizer": ("sgd", "adamw"),
     "solver.schedule": ("multistep", "cosine"),
     "train.amp.dtype": ("auto", "float16", "bfloat16"),
@@ -548,6 +553,9 @@ def validate_config(cfg: Config) -> None:
     for i, rule in enumerate(cfg.solver.param_groups):
         if rule.lr_mult < 0 or rule.weight_decay_mult < 0:
             raise ConfigError(f"config key 'solver.param_groups[{i}]' needs lr_mult and weight_decay_mult >= 0")
+    if cfg.data.label_space == "category_id" and cfg.data.format == "voc":
+        raise ConfigError("config key 'data.label_space' is 'category_id', which needs COCO-format data "
+                          "(data.format coco or shapes); VOC has no category ids: use contiguous")
     if len(set(cfg.data.class_names)) != len(cfg.data.class_names):
         dup = next(n for n in cfg.data.class_names if cfg.data.class_names.count(n) > 1)
         raise ConfigError(f"config key 'data.class_names' names {dup!r} twice")

@@ -15,7 +15,7 @@ from detector.config import Config, ConfigError
 # is a warning and a wait on every start. Set before any submodule imports albumentations.
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
-from .datasets import VOC_CLASSES, CocoDetection, DataError, DetectionDataset, VOCDetection, read_json
+from .datasets import VOC_CLASSES, CocoDetection, DataError, DetectionDataset, VOCDetection, coco_label_map, read_json
 from .loader import build_test_loader, build_train_loader, measure_loader_throughput
 from .transforms import build_transforms
 
@@ -112,6 +112,7 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     (default VOC's 20) or COCO / shapes category names (default all); the other classes'
     boxes are dropped and counted in one log line. In training every listed class must
     have an object. ``data.filter_empty`` drops images without training boxes, in training only.
+    ``data.label_space: category_id`` (COCO / shapes) keeps label = category id instead.
 
     Raises:
         DataError / FileNotFoundError: a missing path (see ``check_data_paths``) or bad data.
@@ -126,7 +127,8 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     names = list(data.class_names) or None
     if data.format == "coco":
         dataset: DetectionDataset = CocoDetection(sc.root, sc.ann_file, transforms=transforms, filter_empty=filter_empty,
-                                                  use_difficult=data.use_difficult, class_names=names)
+                                                  use_difficult=data.use_difficult, class_names=names,
+                                                  label_space=data.label_space)
         return _check_first_images(dataset, f"data.{split}.root")
     if data.format == "voc":
         dataset = VOCDetection(sc.root, sc.split or split, class_names=names, transforms=transforms,
@@ -139,14 +141,17 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     name = sc.split or split
     ann_file = Path(sc.ann_file) if sc.ann_file else Path(root) / f"{name}.json"
     return CocoDetection(Path(root) / name, ann_file, transforms=transforms, filter_empty=filter_empty,
-                         use_difficult=data.use_difficult, class_names=names)
+                         use_difficult=data.use_difficult, class_names=names, label_space=data.label_space)
 
 
 def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Tuple[int, str]:
     """The number of classes K of the data, and where it comes from (for messages):
     ``len(data.class_names)``; else the data set's (when given); else VOC's 20, the
-    shapes' 3, or the number of categories in COCO's ``data.<split>.ann_file``."""
+    shapes' 3, or the number of categories in COCO's ``data.<split>.ann_file``. With
+    ``data.label_space: category_id``, K is the largest category id in use."""
     data = cfg.data
+    if data.label_space == "category_id":
+        return _largest_category_id(cfg, dataset, split)
     if data.class_names:
         return len(data.class_names), "data.class_names"
     if dataset is not None:
@@ -166,21 +171,50 @@ def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, sp
     return len(categories), f"the categories of {ann_file}"
 
 
+def _largest_category_id(cfg: Config, dataset: Optional[DetectionDataset], split: str) -> Tuple[int, str]:
+    """``data_num_classes`` for ``data.label_space: category_id``: the largest category id
+    of the categories in use (all, or those of ``data.class_names``)."""
+    data = cfg.data
+    if dataset is not None:
+        return dataset.num_classes, f"the largest category id of {dataset.source}"
+    if data.format == "shapes":
+        from .shapes import CLASS_NAMES  # as in build_dataset; the shapes' ids are 1..3 in this order
+
+        names_by_id = {i + 1: name for i, name in enumerate(CLASS_NAMES)}
+        source = "the shapes' category ids"
+    else:
+        check_data_paths(cfg, split)
+        source = getattr(data, split).ann_file
+        content = read_json(source)
+        categories = content.get("categories") if isinstance(content, dict) else None
+        if not isinstance(categories, list) or not all(isinstance(c, dict) and "id" in c for c in categories):
+            raise DataError(f"annotation file {source}: missing or malformed top-level key 'categories'")
+        names_by_id = {c["id"]: str(c.get("name", c["id"])) for c in sorted(categories, key=lambda c: c["id"])}
+    names, _, _ = coco_label_map(names_by_id, list(data.class_names) or None, "category_id", source)
+    return len(names), f"the largest category id of {source}"
+
+
 def resolve_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Config:
     """``cfg`` with ``model.num_classes`` resolved from the data (see ``data_num_classes``;
     pass the ``dataset`` of ``split`` when it is built, so nothing is read twice).
 
-    ``auto`` becomes K; an explicit value must equal K.
+    ``auto`` becomes K; an explicit value must equal K (with ``data.label_space:
+    category_id``: be at least K, the largest category id).
 
     Raises:
-        ConfigError: an explicit ``model.num_classes`` that differs from the data's K,
-            one line naming the key and both numbers.
+        ConfigError: an explicit ``model.num_classes`` that differs from the data's K
+            (category_id: is below it), one line naming the key and both numbers.
     """
     k, source = data_num_classes(cfg, dataset, split)
     n = cfg.model.num_classes
     if n is None:
         logger.info("model.num_classes=auto: %d classes (%s)", k, source)
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=k))
+    if cfg.data.label_space == "category_id":
+        if n < k:
+            raise ConfigError(f"config key 'model.num_classes' is {n} but the data's labels go up to {k} ({source}, "
+                              f"data.label_space=category_id); set model.num_classes=auto or >= {k}")
+        return cfg
     if n != k:
         raise ConfigError(f"config key 'model.num_classes' is {n} but the data has {k} classes ({source}); "
                           f"set model.num_classes=auto or {k}")

@@ -222,7 +222,13 @@ class DetectionDataset(torch.utils.data.Dataset):
     ``scale`` float32 ``[2]`` = (sx, sy) = transformed size / original size. Crowd boxes
     (and VOC ``difficult`` boxes unless ``use_difficult``) are not in the target; they are
     in ``get_annotation`` and ``coco_gt`` for evaluation.
+
+    ``class_names[label - 1]`` names each label 1..K; the classes in use are the keys of
+    ``label_to_category_id`` (all of 1..K, except the ``unused_<id>`` slots of COCO data
+    read with ``label_space="category_id"``, which are neither trained nor evaluated).
     """
+
+    label_space = "contiguous"  # CocoDetection: its ``label_space`` argument
 
     def __init__(
         self,
@@ -350,8 +356,8 @@ class DetectionDataset(torch.utils.data.Dataset):
                     ann["ignore"] = 1
                     ann["difficult"] = 1
                 annotations.append(ann)
-        categories = [{"id": int(self.label_to_category_id[i + 1]), "name": name}
-                      for i, name in enumerate(self.class_names)]
+        categories = [{"id": int(cat), "name": self.class_names[label - 1]}
+                      for label, cat in self.label_to_category_id.items()]
         return {"images": images, "annotations": annotations, "categories": categories}
 
     def __repr__(self) -> str:
@@ -413,20 +419,51 @@ def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_fi
     return out
 
 
+def coco_label_map(
+    names_by_id: Dict[Any, str], class_names: Optional[Sequence[str]], label_space: str, ann_file: str
+) -> Tuple[List[str], Dict[int, int], List[Any]]:
+    """Labels of the COCO categories ``names_by_id`` (category id -> name, sorted by id).
+
+    Returns ``(class_names, label_to_category_id, cat_ids)``: ``class_names[label - 1]``
+    names each label, ``cat_ids`` are the ids in use (as in the JSON, in label order):
+
+    - ``contiguous``: the categories (sorted by id, or those of ``class_names`` in that
+      order) are labels 1..K;
+    - ``category_id``: label = category id, so there are ``max(id)`` labels; ids that are
+      no category in use (undefined, or left out of ``class_names``) are named
+      ``unused_<id>`` and are not in ``label_to_category_id`` (nor evaluated).
+
+    Raises:
+        DataError: with ``category_id``, a category id in use that is not an integer >= 1.
+    """
+    cat_ids = _coco_subset(names_by_id, class_names, ann_file) if class_names else list(names_by_id)
+    if label_space == "contiguous":
+        return [names_by_id[c] for c in cat_ids], {i + 1: int(c) for i, c in enumerate(cat_ids)}, cat_ids
+    for c in cat_ids:
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise DataError(f"annotation file {ann_file}: category {names_by_id[c]!r} has id {c!r}; "
+                            f"data.label_space=category_id needs integer category ids >= 1")
+    used = sorted(cat_ids)
+    names = [names_by_id[i] if i in used else f"unused_{i}" for i in range(1, max(used, default=0) + 1)]
+    return names, {c: c for c in used}, used
+
+
 def parse_coco(
     ann_file: str | os.PathLike,
     image_dir: str | os.PathLike,
     issues: Issues,
     class_names: Optional[Sequence[str]] = None,
+    label_space: str = "contiguous",
 ) -> Tuple[List[ImageRecord], List[str], Dict[int, int], Any]:
     """Parse a COCO instances JSON (through pycocotools' index) into image records.
 
-    Returns ``(records, class_names, label_to_category_id, coco)``: categories sorted by
-    id map to labels 1..K. ``[x, y, w, h]`` becomes ``[x, y, x + w, y + h]``.
+    Returns ``(records, class_names, label_to_category_id, coco)``: labels as
+    :func:`coco_label_map` gives them for ``label_space``. ``[x, y, w, h]`` becomes
+    ``[x, y, x + w, y + h]``.
 
     ``class_names`` (category names, e.g. ``data.class_names``) keeps those categories
-    only, as labels 1..K in that order; annotations of the other categories are dropped
-    and counted by name in ``issues.other_classes``.
+    only; annotations of the other categories are dropped and counted by name in
+    ``issues.other_classes``.
     """
     from pycocotools.coco import COCO
 
@@ -439,7 +476,7 @@ def parse_coco(
             raise DataError(f"annotation file {ann_file}: missing or malformed top-level key '{key}'")
     data.setdefault("annotations", [])
 
-    # Categories -> labels 1..K: ordered by id, or in the order of ``class_names``.
+    # Categories -> labels (see coco_label_map).
     categories = {}
     for i, cat in enumerate(data["categories"]):
         if not isinstance(cat, dict) or "id" not in cat:
@@ -448,10 +485,8 @@ def parse_coco(
             issues.error(f"annotation file {ann_file}: category id {cat['id']} appears twice in 'categories'")
         categories[cat["id"]] = cat
     names_by_id = {c: str(categories[c].get("name", c)) for c in sorted(categories)}
-    cat_ids = _coco_subset(names_by_id, class_names, ann_file) if class_names else sorted(categories)
-    label_to_category_id = {i + 1: int(c) for i, c in enumerate(cat_ids)}
+    class_names, label_to_category_id, cat_ids = coco_label_map(names_by_id, class_names, label_space, ann_file)
     category_id_to_label = {c: lab for lab, c in label_to_category_id.items()}
-    class_names = [names_by_id[c] for c in cat_ids]
 
     # Images: required fields, unique ids (pycocotools would silently keep the last one).
     seen: Dict[Any, str] = {}
@@ -566,6 +601,8 @@ class CocoDetection(DetectionDataset):
         filter_empty: drop images without a trainable box.
         class_names: category names to keep, as labels 1..K in this order (a subset;
             the other categories' boxes are dropped and counted in the log); None = all.
+        label_space: ``contiguous`` (labels 1..K) or ``category_id`` (label = category
+            id; see :func:`coco_label_map`).
     """
 
     def __init__(
@@ -576,15 +613,17 @@ class CocoDetection(DetectionDataset):
         filter_empty: bool = False,
         use_difficult: bool = False,
         class_names: Optional[Sequence[str]] = None,
+        label_space: str = "contiguous",
     ) -> None:
         issues = Issues(strict=True)
-        records, class_names, label_to_cat, coco = parse_coco(ann_file, image_dir, issues, class_names)
+        records, class_names, label_to_cat, coco = parse_coco(ann_file, image_dir, issues, class_names, label_space)
+        self.label_space = label_space
         self.coco = coco
         self.image_dir = str(image_dir)
         self.ann_file = str(ann_file)
         if issues.skipped:
             logger.warning("%s: skipped annotations: %s", ann_file, dict(issues.skipped))
-        log_other_classes(str(ann_file), class_names, issues.other_classes)
+        log_other_classes(str(ann_file), [class_names[lab - 1] for lab in label_to_cat], issues.other_classes)
         super().__init__(records, class_names, label_to_cat, transforms=transforms, use_difficult=use_difficult,
                          filter_empty=filter_empty, skipped=issues.skipped, source=str(ann_file))
 

@@ -50,7 +50,7 @@ def _check_coverage(dataset_ids: List[int], gathered_ids: List[int]) -> None:
 
 
 def _infer_and_gather(model: nn.Module, loader: Any, label_to_category_id: Dict[int, int], cfg: Any,
-                      rank: int, world_size: int) -> List[tuple]:
+                      rank: int, world_size: int, skip_unmapped: bool = False) -> List[tuple]:
     """This rank's inference (and validation loss), gathered from every rank.
 
     Returns ``[(detections float64 [D_r, 7], image_ids, seconds per batch, loss sums or None)]``
@@ -63,7 +63,7 @@ def _infer_and_gather(model: nn.Module, loader: Any, label_to_category_id: Dict[
     out, loss_part, failure = None, None, None
     try:
         out = run_inference(model, loader, label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype,
-                            progress=progress)
+                            progress=progress, skip_unmapped=skip_unmapped)
         if cfg.eval.compute_val_loss:
             loss_part = compute_val_loss(model, loader, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=progress)
     except Exception as exc:
@@ -109,7 +109,9 @@ def evaluate(
 
     rank, world_size = get_rank(), get_world_size()
     loader = build_test_loader(cfg, dataset, rank, world_size)
-    gathered = _infer_and_gather(model, loader, dataset.label_to_category_id, cfg, rank, world_size)
+    # Labels = category ids: predictions in unused id slots match no category and are left out.
+    skip_unmapped = getattr(dataset, "label_space", "contiguous") == "category_id"
+    gathered = _infer_and_gather(model, loader, dataset.label_to_category_id, cfg, rank, world_size, skip_unmapped)
     if rank != 0:
         return {}
 

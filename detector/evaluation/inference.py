@@ -94,10 +94,18 @@ def to_original_boxes(boxes: torch.Tensor, target: Mapping[str, Any]) -> torch.T
 
 
 def detections_to_array(
-    image_id: int, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, label_to_category_id: Mapping[int, int]
+    image_id: int, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, label_to_category_id: Mapping[int, int],
+    skip_unmapped: bool = False,
 ) -> np.ndarray:
     """One image's detections as rows ``image_id, category_id, x, y, w, h, score``
-    (``boxes`` xyxy original pixels, ``labels`` 1..K mapped to original category ids)."""
+    (``boxes`` xyxy original pixels, ``labels`` 1..K mapped to original category ids).
+
+    A label ``label_to_category_id`` lacks is a ValueError, or with ``skip_unmapped``
+    (labels = category ids, ``data.label_space: category_id``) a detection left out: an
+    unused id slot, which no ground truth category can match."""
+    if skip_unmapped:
+        keep = torch.tensor([int(lab) in label_to_category_id for lab in labels.tolist()], dtype=torch.bool)
+        boxes, scores, labels = boxes[keep], scores.cpu()[keep], labels[keep]
     b = boxes.double().numpy()
     rows = np.empty((b.shape[0], DET_COLUMNS), dtype=np.float64)
     rows[:, 0] = image_id
@@ -132,6 +140,7 @@ def run_inference(
     amp: bool = False,
     amp_dtype: torch.dtype = torch.float16,
     progress: bool = True,
+    skip_unmapped: bool = False,
 ) -> InferenceOutput:
     """Run ``model`` in eval mode under ``torch.inference_mode()`` over ``loader``.
 
@@ -142,6 +151,8 @@ def run_inference(
         label_to_category_id: label 1..K -> original category id.
         amp: autocast the forward pass (``amp_dtype``; device-agnostic).
         progress: show a tqdm bar (the caller turns it off on ranks other than 0).
+        skip_unmapped: leave out detections whose label ``label_to_category_id`` lacks
+            (see :func:`detections_to_array`) instead of raising.
 
     The model's train/eval mode is restored afterwards.
     """
@@ -167,7 +178,8 @@ def run_inference(
                 for out, target in zip(outputs, targets):
                     image_id = int(target["image_id"])
                     boxes = to_original_boxes(out["boxes"], target)
-                    rows.append(detections_to_array(image_id, boxes, out["scores"], out["labels"].cpu(), label_to_category_id))
+                    rows.append(detections_to_array(image_id, boxes, out["scores"], out["labels"].cpu(),
+                                                    label_to_category_id, skip_unmapped))
                     image_ids.append(image_id)
     finally:
         net.train(was_training)
