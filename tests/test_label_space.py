@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_CONFIG
+from conftest import TINY_CONFIG, load_tool
 from detector.config import ConfigError, load_config
 from detector.data import CocoDetection, DataError, build_dataset, resolve_num_classes
 from detector.evaluation import evaluate
@@ -168,3 +168,31 @@ def test_coco16_category_ids_and_torchvision_state_dict(real_data, repo_root):
     assert not report.missing and not report.unexpected and not report.skipped
     assert torch.equal(model.state_dict()["roi_heads.box_predictor.cls_score.weight"],
                        reference["roi_heads.box_predictor.cls_score.weight"])
+
+
+@pytest.mark.slow  # ~25 s: ResNet-50 on 16 images, 80-class PR curves
+@pytest.mark.realdata
+def test_eval_tool_with_torchvision_state_dict_on_coco16(real_data, repo_root, tmp_path):
+    """The user's command: tools/eval.py, the torchvision config (category_id labels,
+    91 outputs) and a torchvision fasterrcnn_resnet50_fpn state dict file, on the 16
+    real COCO images (at 128 px): per_class.csv lists the 80 COCO categories only, and
+    detections.json holds COCO category ids only."""
+    from torchvision.models.detection import fasterrcnn_resnet50_fpn
+
+    torch.manual_seed(0)
+    weights = tmp_path / "tv.pth"
+    torch.save(fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None).state_dict(), weights)
+    root = real_data / "coco2017_16"
+    out = tmp_path / "eval"
+    rc = load_tool("eval").main([
+        "--config", str(repo_root / "configs" / "torchvision_r50_fpn_coco.yaml"), "--weights", str(weights),
+        "--output-dir", str(out), f"data.val.root={root / 'images'}", f"data.val.ann_file={root / 'instances.json'}",
+        "input.min_size_test=128", "input.max_size_test=192", "roi_heads.score_thresh=0.0", "train.device=cpu",
+        "data.num_workers=0", "eval.images_per_gpu=4",
+    ])
+    assert rc == 0
+    ids = sorted(c["id"] for c in json.loads((root / "instances.json").read_text())["categories"])
+    rows = (out / "per_class.csv").read_text().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == ids
+    found = {d["category_id"] for d in json.loads((out / "detections.json").read_text())}
+    assert found and found <= set(ids)
