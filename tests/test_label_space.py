@@ -76,6 +76,14 @@ def test_auto_num_classes_is_the_largest_id(tmp_path):
         resolve_num_classes(coco_cfg(tmp_path, "data.label_space=category_id", "model.num_classes=5"))
 
 
+def test_infer_tool_names_labels_by_category_id(tmp_path):
+    names = load_tool("infer").class_names_for
+    sub = coco_cfg(tmp_path, "data.label_space=category_id", "data.class_names=[car,person]")
+    assert names(sub) == ["person", "unused_2", "car"]
+    assert names(coco_cfg(tmp_path, "data.class_names=[car,person]")) == ["car", "person"]
+    assert names(coco_cfg(tmp_path, "data.label_space=category_id"))[6] == "train"
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5])
 def test_bad_category_ids_refused(tmp_path, bad):
     categories = [*GAPPED, {"id": bad, "name": "odd"}]

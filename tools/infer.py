@@ -39,7 +39,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def class_names_for(cfg) -> List[str]:
-    """``data.class_names``, else the generated shapes' names, else ``class 1..K``."""
+    """``data.class_names``, else the generated shapes' names, else ``class 1..K``; with
+    ``data.label_space: category_id``, one name per category id (``unused_<id>`` slots)."""
+    if cfg.data.label_space == "category_id" and (
+            cfg.data.format == "shapes" or cfg.data.val.ann_file and Path(cfg.data.val.ann_file).is_file()):
+        from detector.data import category_id_class_names
+
+        return category_id_class_names(cfg, "val")[0]
     if cfg.data.class_names:
         return list(cfg.data.class_names)
     if cfg.data.format == "shapes":

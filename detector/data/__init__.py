@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from detector.config import Config, ConfigError
 
@@ -28,6 +28,7 @@ __all__ = [
     "build_test_loader",
     "build_train_loader",
     "build_transforms",
+    "category_id_class_names",
     "check_data_paths",
     "data_num_classes",
     "measure_loader_throughput",
@@ -151,7 +152,12 @@ def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, sp
     ``data.label_space: category_id``, K is the largest category id in use."""
     data = cfg.data
     if data.label_space == "category_id":
-        return _largest_category_id(cfg, dataset, split)
+        if dataset is not None:
+            return dataset.num_classes, f"the largest category id of {dataset.source}"
+        if data.format == "coco":
+            check_data_paths(cfg, split)
+        names, source = category_id_class_names(cfg, split)
+        return len(names), source
     if data.class_names:
         return len(data.class_names), "data.class_names"
     if dataset is not None:
@@ -171,19 +177,18 @@ def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, sp
     return len(categories), f"the categories of {ann_file}"
 
 
-def _largest_category_id(cfg: Config, dataset: Optional[DetectionDataset], split: str) -> Tuple[int, str]:
-    """``data_num_classes`` for ``data.label_space: category_id``: the largest category id
-    of the categories in use (all, or those of ``data.class_names``)."""
+def category_id_class_names(cfg: Config, split: str = "train") -> Tuple[List[str], str]:
+    """The class names of ``data.label_space: category_id`` without building the data
+    set: one per label 1..K, K the largest category id in use (all categories, or those
+    of ``data.class_names``), ``unused_<id>`` for the others (see ``coco_label_map``);
+    and where they come from (for messages). Reads COCO's ``data.<split>.ann_file``."""
     data = cfg.data
-    if dataset is not None:
-        return dataset.num_classes, f"the largest category id of {dataset.source}"
     if data.format == "shapes":
         from .shapes import CLASS_NAMES  # as in build_dataset; the shapes' ids are 1..3 in this order
 
         names_by_id = {i + 1: name for i, name in enumerate(CLASS_NAMES)}
         source = "the shapes' category ids"
     else:
-        check_data_paths(cfg, split)
         source = getattr(data, split).ann_file
         content = read_json(source)
         categories = content.get("categories") if isinstance(content, dict) else None
@@ -191,7 +196,7 @@ def _largest_category_id(cfg: Config, dataset: Optional[DetectionDataset], split
             raise DataError(f"annotation file {source}: missing or malformed top-level key 'categories'")
         names_by_id = {c["id"]: str(c.get("name", c["id"])) for c in sorted(categories, key=lambda c: c["id"])}
     names, _, _ = coco_label_map(names_by_id, list(data.class_names) or None, "category_id", source)
-    return len(names), f"the largest category id of {source}"
+    return names, f"the largest category id of {source}"
 
 
 def resolve_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Config:
