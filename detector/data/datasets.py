@@ -444,8 +444,9 @@ def coco_label_map(
             raise DataError(f"annotation file {ann_file}: category {names_by_id[c]!r} has id {c!r}; "
                             f"data.label_space=category_id needs integer category ids >= 1")
     used = sorted(cat_ids)
-    names = [names_by_id[i] if i in used else f"unused_{i}" for i in range(1, max(used, default=0) + 1)]
-    return names, {c: c for c in used}, used
+    label_to_category_id = {c: c for c in used}
+    names = [names_by_id[i] if i in label_to_category_id else f"unused_{i}" for i in range(1, max(used, default=0) + 1)]
+    return names, label_to_category_id, used
 
 
 def parse_coco(
