@@ -14,6 +14,7 @@ import torch
 from conftest import TINY_CONFIG, load_tool
 from detector.config import ConfigError, load_config
 from detector.data import CocoDetection, DataError, build_dataset, resolve_num_classes
+from detector.data.check import check_dataset
 from detector.evaluation import evaluate
 from detector.evaluation.inference import array_to_detections, detections_to_array
 from detector.evaluation.scoring import score_detections
@@ -92,6 +93,18 @@ def test_bad_category_ids_refused(tmp_path, bad):
     msg = str(info.value)
     assert "\n" not in msg and "instances.json" in msg and "'odd'" in msg and "data.label_space=category_id" in msg
     assert CocoDetection(*gapped(tmp_path, categories)).num_classes == 4  # contiguous takes any id
+
+
+def test_check_dataset_reads_labels_as_training_does(tmp_path):
+    report = check_dataset(coco_cfg(tmp_path, "data.label_space=category_id"), "train", decode=False)
+    assert not report.errors and report.per_class == {"person": 1, "car": 1, "train": 2}
+    cfg = coco_cfg(tmp_path / "bad", "data.label_space=category_id")
+    json_file = cfg.data.train.ann_file
+    content = json.loads(open(json_file).read())
+    content["categories"].append({"id": 0, "name": "odd"})
+    open(json_file, "w").write(json.dumps(content))
+    errors = check_dataset(cfg, "train", decode=False).errors
+    assert len(errors) == 1 and "category 'odd' has id 0" in errors[0]
 
 
 def test_config_refuses_unknown_value_and_voc():

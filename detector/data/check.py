@@ -79,21 +79,24 @@ def describe_source(cfg: Config, split: str) -> str:
     return f"data.format {data.format!r}"
 
 
-def _records_for(cfg: Config, split: str, issues: Issues) -> Tuple[List[ImageRecord], List[str]]:
+def _records_for(cfg: Config, split: str, issues: Issues) -> Tuple[List[ImageRecord], Dict[int, str]]:
+    """The records of ``cfg.data.<split>`` and the name of each label in use, as training reads them."""
     data = cfg.data
     sc = getattr(data, split)
     subset = list(data.class_names) or None  # a class subset: other classes are dropped, as in training
     if data.format == "coco":
-        records, names, _, _ = parse_coco(sc.ann_file, sc.root, issues, subset)
-        return records, names
+        records, names, label_to_cat, _ = parse_coco(sc.ann_file, sc.root, issues, subset, data.label_space)
+        return records, {lab: names[lab - 1] for lab in label_to_cat}
     if data.format == "voc":
         names = subset or list(VOC_CLASSES)
-        return parse_voc(sc.root, sc.split or split, names, issues, drop_other_classes=bool(subset)), names
+        records = parse_voc(sc.root, sc.split or split, names, issues, drop_other_classes=bool(subset))
+        return records, dict(enumerate(names, start=1))
     if data.format == "shapes":
         name = sc.split or split
         ann_file = sc.ann_file or os.path.join(sc.root, f"{name}.json")
-        records, names, _, _ = parse_coco(ann_file, os.path.join(sc.root, name), issues, subset)
-        return records, names
+        records, names, label_to_cat, _ = parse_coco(ann_file, os.path.join(sc.root, name), issues, subset,
+                                                     data.label_space)
+        return records, {lab: names[lab - 1] for lab in label_to_cat}
     raise ValueError(f"data.format must be coco, voc or shapes, got {data.format!r}")
 
 
@@ -127,7 +130,7 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
         if len(r.labels) == 0:
             report.images_without_annotations += 1
         for lab in r.labels.tolist():
-            per_class[class_names[lab - 1]] += 1
+            per_class[class_names[lab]] += 1
         box_sizes.extend(((r.boxes[:, 2] - r.boxes[:, 0]) * (r.boxes[:, 3] - r.boxes[:, 1])).tolist())
         if decode:
             try:
@@ -146,7 +149,7 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
         elif not os.path.isfile(r.path):
             report.missing_files.append(r.path)
             report.errors.append(f"image file {r.path} (image_id {r.image_id}) not found")
-    report.per_class = {name: per_class.get(name, 0) for name in class_names}
+    report.per_class = {name: per_class.get(name, 0) for name in class_names.values()}
     report.size_hist = _histogram([math.sqrt(r.width * r.height) for r in records], SIZE_BINS)
     report.aspect_hist = _histogram([r.width / r.height for r in records], ASPECT_BINS)
     report.box_size_hist = {
