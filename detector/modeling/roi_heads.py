@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torchvision.ops import batched_nms, box_area
 
 from .box_coder import BoxCoder, clip_boxes
+from .cpu_threads import map_no_grad
 from .losses import weighted_smooth_l1
 from .matching import IGNORE, match_by_iou, pad_boxes, pad_rows, sample_minibatch
 from .roi_align import multi_level_roi_align, roi_align
@@ -238,22 +239,27 @@ class ROIHeads(nn.Module):
         num_classes_with_bg = class_logits.shape[1]
         scores_all = F.softmax(class_logits.float(), dim=-1)
         deltas_all = box_deltas.float().view(-1, num_classes_with_bg, 4)
-        results = []
         counts = [p.shape[0] for p in proposals]  # tensor sizes, so that tracing keeps them dynamic
-        for scores, deltas, props, size in zip(scores_all.split(counts), deltas_all.split(counts),
-                                               proposals, image_sizes):
-            fg_scores = scores[:, 1:]  # [P, K]
-            roi_idx, cls_idx = torch.where(fg_scores > self.score_thresh)
-            labels = cls_idx + 1
-            s = fg_scores[roi_idx, cls_idx]
-            boxes = self.box_coder.decode(deltas[roi_idx, labels], props[roi_idx])
-            boxes = clip_boxes(boxes, size)
-            w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
-            keep = torch.where((w >= self.min_box_size) & (h >= self.min_box_size))[0]
-            boxes, s, labels = boxes[keep], s[keep], labels[keep]
-            keep = batched_nms(boxes, s, labels, self.nms_thresh)[: self.detections_per_img]
-            results.append({"boxes": boxes[keep], "scores": s[keep], "labels": labels[keep]})
-        return results
+        per_image = list(zip(scores_all.split(counts), deltas_all.split(counts), proposals, image_sizes))
+        # Images are independent: on the CPU they run side by side (torchvision's NMS
+        # kernel is single-threaded), with the same results as one after the other.
+        return map_no_grad(lambda args: self.detections_of_image(*args), per_image, class_logits.device)
+
+    def detections_of_image(self, scores: Tensor, deltas: Tensor, proposals: Tensor,
+                            size: Tuple[int, int]) -> Dict[str, Tensor]:
+        """One image: ``[P, C]`` class probabilities, ``[P, C, 4]`` deltas, ``[P, 4]``
+        proposals -> ``{"boxes", "scores", "labels"}`` (see ``postprocess``)."""
+        fg_scores = scores[:, 1:]  # [P, K]
+        roi_idx, cls_idx = torch.where(fg_scores > self.score_thresh)
+        labels = cls_idx + 1
+        s = fg_scores[roi_idx, cls_idx]
+        boxes = self.box_coder.decode(deltas[roi_idx, labels], proposals[roi_idx])
+        boxes = clip_boxes(boxes, size)
+        w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+        keep = torch.where((w >= self.min_box_size) & (h >= self.min_box_size))[0]
+        boxes, s, labels = boxes[keep], s[keep], labels[keep]
+        keep = batched_nms(boxes, s, labels, self.nms_thresh)[: self.detections_per_img]
+        return {"boxes": boxes[keep], "scores": s[keep], "labels": labels[keep]}
 
     # ------------------------------------------------------------------ forward
 

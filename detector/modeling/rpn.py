@@ -14,6 +14,7 @@ from torchvision.ops import batched_nms
 
 from .anchors import AnchorGenerator
 from .box_coder import BoxCoder, clip_boxes
+from .cpu_threads import map_no_grad
 from .losses import weighted_smooth_l1
 from .matching import Sample, match_by_iou, pad_boxes, sample_minibatch
 
@@ -182,19 +183,25 @@ class RegionProposalNetwork(nn.Module):
         scores = torch.sigmoid(torch.cat(all_logits, dim=1).float())
         levels = torch.cat(all_levels)
 
-        proposals = []
-        for i, size in enumerate(image_sizes):
-            b = clip_boxes(boxes[i], size)
-            s = scores[i]
-            w, h = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
-            keep = (w >= self.min_size) & (h >= self.min_size)
-            if self.score_thresh > 0:
-                keep &= s >= self.score_thresh
-            keep = torch.where(keep)[0]
-            b, s, lv = b[keep], s[keep], levels[keep]
-            keep = batched_nms(b, s, lv, self.nms_thresh)[:post_nms]
-            proposals.append(b[keep])
-        return proposals
+        # Images are independent: on the CPU they run side by side (torchvision's NMS
+        # kernel is single-threaded), with the same results as one after the other.
+        return map_no_grad(lambda i: self.filter_and_nms(boxes[i], scores[i], levels, image_sizes[i], post_nms),
+                           range(num_images), boxes.device)
+
+    def filter_and_nms(self, boxes: Tensor, scores: Tensor, levels: Tensor, size: Tuple[int, int],
+                       post_nms: int) -> Tensor:
+        """One image's proposals: ``[P, 4]`` decoded boxes, ``[P]`` scores and levels ->
+        clipped to ``size``, small (and low-scoring) boxes dropped, NMS per level, the
+        ``post_nms`` best -> ``[P', 4]`` sorted by decreasing score."""
+        b = clip_boxes(boxes, size)
+        w, h = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
+        keep = (w >= self.min_size) & (h >= self.min_size)
+        if self.score_thresh > 0:
+            keep &= scores >= self.score_thresh
+        keep = torch.where(keep)[0]
+        b, s, lv = b[keep], scores[keep], levels[keep]
+        keep = batched_nms(b, s, lv, self.nms_thresh)[:post_nms]
+        return b[keep]
 
     # ------------------------------------------------------------------ training
 

@@ -1,0 +1,43 @@
+"""Running independent pieces of CPU work on several threads.
+
+Some of torchvision's CPU kernels (``roi_align``'s forward, ``nms``) run on one thread
+while the step has ``torch.get_num_threads()`` cores. Their calls release the GIL, so
+independent calls (per image, or per chunk of RoIs) can run side by side on plain
+Python threads. Each call computes exactly what it computes alone: the results are
+bit-identical to running the pieces one after the other.
+
+Grad mode is per thread, and worker threads run with gradients off: use this only for
+work whose result needs no gradient.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, Sequence, TypeVar
+
+import torch
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def worker_count(device: torch.device, pieces: int) -> int:
+    """Threads worth using for ``pieces`` independent pieces on ``device``: 1 (run in
+    the caller) off the CPU, while tracing or scripting, or with one intra-op thread."""
+    if device.type != "cpu" or torch.jit.is_tracing() or torch.jit.is_scripting():
+        return 1
+    return max(1, min(torch.get_num_threads(), pieces))
+
+
+def map_no_grad(fn: Callable[[T], R], items: Sequence[T], device: torch.device) -> List[R]:
+    """``[fn(item) for item in items]`` with gradients off, on ``worker_count`` threads."""
+    threads = worker_count(device, len(items))
+
+    def run(item: T) -> R:
+        with torch.no_grad():
+            return fn(item)
+
+    if threads < 2:
+        return [run(item) for item in items]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(run, items))
