@@ -13,6 +13,7 @@ import torch
 
 from detector.config import load_config
 from detector.benchmark import run_benchmark
+from detector.benchmark.profiling import profile_train_step
 from detector.benchmark.memory import measure_command_memory, peak_memory_bytes, reset_peak_memory
 from detector.benchmark.tasks import benchmark_eval
 from detector.benchmark.timing import summarize_times
@@ -173,6 +174,19 @@ def test_command_memory_sees_the_child_allocation():
     assert m["peak_tree_rss_bytes"] >= 190 * 2**20
     assert m["peak_tree_pss_bytes"] >= 190 * 2**20
     assert m["peak_largest_process_rss_bytes"] >= 190 * 2**20
+
+
+def test_op_counts_include_the_work_on_helper_threads(tiny_cfg, restore_threads):
+    """The profiler sees only the calling thread: with 2 intra-op threads the model runs
+    per-image work on helper threads, and the count must still include it (it equals
+    the count of the serial run)."""
+    cfg = tiny_cfg("train.device=cpu", "solver.images_per_gpu=2")
+    counts = []
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        counts.append(profile_train_step(cfg, warmup=1)["counts"])
+    assert counts[0] == counts[1]
+    assert torch.get_num_threads() == 1  # restored to the caller's setting
 
 
 def test_data_task_json(tmp_path):

@@ -47,9 +47,26 @@ def profile_train_step(
     Returns ``top_ops``: the ``row_limit`` operators with the largest self time (CPU,
     or CUDA on a GPU) as dicts (name, self/total time in ms, calls, share of the step),
     ``counts`` (:func:`count_ops`) and ``table``: the profiler's own text table.
+    On the CPU the step runs on one intra-op thread (see the body), so its times are
+    one core's.
     """
 
     device = resolve_device(cfg.train.device)
+    if device.type != "cpu":
+        return _profile_train_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path)
+    # The profiler records the calling thread only; on the CPU the model runs some
+    # per-image work on helper threads (detector.modeling.cpu_threads), which one
+    # intra-op thread keeps in the caller: the same operators, all of them counted.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _profile_train_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _profile_train_step(cfg: Config, device: torch.device, warmup: int, row_limit: int, synthetic: bool,
+                        torchvision_model: bool, trace_path: Optional[str]) -> Dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
     batches = cached_batches(cfg, True, 2, synthetic, pin=device.type == "cuda")
     if torchvision_model:
