@@ -11,7 +11,7 @@ from torch import nn
 
 from detector.config import Config, resolve_amp
 from detector.engine.optim import build_lr_scheduler, build_optimizer
-from detector.engine.setup import configure_torch, prepare_model
+from detector.engine.setup import apply_speed_options as engine_speed_options, configure_torch, prepare_model
 from detector.engine.step import TrainStep
 from detector.modeling import build_model
 
@@ -24,19 +24,12 @@ def build_ours(cfg: Config, device: torch.device) -> nn.Module:
 
 
 def apply_speed_options(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
-    """The ``train.*`` speed options: ``channels_last`` (4-d weights in NHWC; convolutions
-    then keep activations NHWC), ``cudnn_benchmark`` (CUDA only) and ``compile_backbone``
-    (``torch.compile`` of ``model.backbone`` in place, so state-dict names stay)."""
-    if cfg.train.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    """The ``train.*`` speed options as the trainer applies them
+    (``engine.setup.apply_speed_options``: ``channels_last``, ``compile_backbone``), plus
+    ``cudnn_benchmark`` (CUDA only), for a model the trainer does not prepare (torchvision's)."""
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = bool(cfg.train.cudnn_benchmark)
-    if cfg.train.compile_backbone:
-        backbone = getattr(model, "backbone", None)
-        if backbone is None:
-            raise ValueError("train.compile_backbone=true but the model has no 'backbone' attribute")
-        backbone.compile(dynamic=False)  # one static graph per canvas
-    return model
+    return engine_speed_options(model, cfg)
 
 
 def _autocast(cfg: Config, device: torch.device):

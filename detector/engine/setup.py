@@ -60,6 +60,21 @@ def apply_norm_policy(model: nn.Module, cfg: Config, device: torch.device, world
     return model
 
 
+def apply_speed_options(model: nn.Module, cfg: Config) -> nn.Module:
+    """``train.channels_last`` (4-d weights in NHWC; convolutions then keep activations
+    NHWC) and ``train.compile_backbone`` (``torch.compile`` of ``model.backbone`` in
+    place, so state-dict names stay; one static graph per canvas of ``model.canvas_sizes``),
+    in place. Returns ``model``."""
+    if cfg.train.channels_last:
+        model.to(memory_format=torch.channels_last)
+    if cfg.train.compile_backbone:
+        backbone = getattr(model, "backbone", None)
+        if backbone is None:
+            raise ValueError("train.compile_backbone=true but the model has no 'backbone' attribute")
+        backbone.compile(dynamic=False)
+    return model
+
+
 def prepare_model(model: nn.Module, cfg: Config, device: torch.device, world_size: int) -> Tuple[nn.Module, nn.Module]:
     """Norm policy, device, ``train.channels_last``, ``train.compile_backbone`` (in place:
     state-dict keys unchanged), training mode, and DDP when ``world_size > 1``
@@ -69,10 +84,7 @@ def prepare_model(model: nn.Module, cfg: Config, device: torch.device, world_siz
     """
     model = apply_norm_policy(model, cfg, device, world_size)
     model.to(device)
-    if cfg.train.channels_last:
-        model.to(memory_format=torch.channels_last)
-    if cfg.train.compile_backbone and hasattr(model, "backbone"):
-        model.backbone.compile(dynamic=False)  # one static graph per canvas
+    apply_speed_options(model, cfg)
     model.train()
     if world_size <= 1:
         return model, model
