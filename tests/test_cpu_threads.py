@@ -68,3 +68,22 @@ def test_detections_and_training_losses_equal_the_serial_run(tiny_cfg, threads, 
             assert torch.equal(a[k], b[k]), k
     for k in loss1:
         assert torch.equal(loss1[k], loss3[k]), k
+
+
+def test_workers_run_under_the_callers_cpu_autocast(threads, monkeypatch):
+    """Autocast is per thread: without passing it on, a bfloat16 feature map reached
+    torchvision's CPU roi_align kernel, which has no bfloat16 version (an error under
+    ``eval.amp`` on the CPU)."""
+    threads(2)
+    state = lambda _: (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert map_no_grad(state, range(2), torch.device("cpu")) == [(True, torch.bfloat16)] * 2
+    assert map_no_grad(state, range(2), torch.device("cpu"))[0][0] is False
+    monkeypatch.setattr(roi_align, "MIN_ROIS_PER_THREAD", 4)
+    feat = torch.randn(1, 4, 12, 12)
+    rois = torch.cat([torch.zeros(16, 1), torch.rand(16, 2) * 20, 24 + torch.rand(16, 2) * 20], 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = feat.to(torch.bfloat16)
+        got = roi_align.roi_align_forward(bf16, rois.to(torch.bfloat16), 0.25, 3, 3, 2, False)
+        expected = roi_align.tv_roi_align(bf16, rois.to(torch.bfloat16), (3, 3), 0.25, 2, False)
+    assert torch.equal(got, expected)

@@ -6,8 +6,10 @@ independent calls (per image, or per chunk of RoIs) can run side by side on plai
 Python threads. Each call computes exactly what it computes alone: the results are
 bit-identical to running the pieces one after the other.
 
-Grad mode is per thread, and worker threads run with gradients off: use this only for
-work whose result needs no gradient.
+Grad mode and autocast are per thread: worker threads run with gradients off (use this
+only for work whose result needs no gradient) and under the caller's CPU autocast
+settings (torchvision's CPU ``roi_align`` has no bfloat16 kernel; its autocast wrapper
+runs it in float32).
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ def worker_count(device: torch.device, pieces: int) -> int:
 
 
 def map_no_grad(fn: Callable[[T], R], items: Sequence[T], device: torch.device) -> List[R]:
-    """``[fn(item) for item in items]`` with gradients off, on ``worker_count`` threads."""
+    """``[fn(item) for item in items]`` with gradients off and the caller's CPU autocast,
+    on ``worker_count`` threads."""
     threads = worker_count(device, len(items))
+    autocast = torch.is_autocast_enabled("cpu")
+    autocast_dtype = torch.get_autocast_dtype("cpu")
 
     def run(item: T) -> R:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast):
             return fn(item)
 
     if threads < 2:
