@@ -28,6 +28,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from detector.messages import first_line
+
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
@@ -389,7 +391,7 @@ def _merge(base: Any, data: dict, source: str) -> Any:
         return OmegaConf.merge(base, data)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
-        msg = str(exc).splitlines()[0]
+        msg = first_line(exc)
         raise ConfigError(f"{source}: bad value for config key '{key}': {msg}") from None
 
 
@@ -662,7 +664,7 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Li
     try:
         out: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:  # e.g. a missing mandatory value
-        raise ConfigError(str(exc).splitlines()[0]) from None
+        raise ConfigError(first_line(exc)) from None
     validate_config(out)
     return out
 

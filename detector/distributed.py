@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from detector.messages import first_line
+
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -271,7 +273,7 @@ def lost_rank_message(exc: BaseException, info: Optional[DistInfo], wait_s: floa
         r = remote[0]
         return (f"lost contact with rank {r} of {info.world_size} on {info.peers[r][0]}, so rank {info.rank} "
                 f"stops too; {advice}")
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    first = first_line(exc)
     return f"lost contact with another rank ({first}), so rank {info.rank} stops too; {advice}"
 
 

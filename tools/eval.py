@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from detector.config import ConfigError, load_config  # noqa: E402
+from detector.messages import first_line  # noqa: E402
 
 logger = logging.getLogger("detector.tools.eval")
 
@@ -128,7 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return score_file(args) if args.predictions else run_model(args)
     except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError, ImportError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        msg = first_line(exc)
         print(f"error: {msg}", file=sys.stderr)
         return 1
 

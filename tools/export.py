@@ -46,6 +46,7 @@ from detector.benchmark.export_speed import benchmark_exported  # noqa: E402
 from detector.config import ConfigError, load_config  # noqa: E402
 from detector.data.datasets import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
+from detector.messages import first_line  # noqa: E402
 from detector.modeling.weights import load_weights  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.export import (  # noqa: E402
@@ -142,7 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(format_timing(benchmark_exported(model, args.format, output, images[0], args.time)))
         return 0
     except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError, ImportError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        msg = first_line(exc)
         print(f"error: {msg}", file=sys.stderr)
         return 1
 

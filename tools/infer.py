@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from detector.config import ConfigError, load_config  # noqa: E402
+from detector.messages import first_line  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -94,7 +95,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 1
         return 0
     except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        msg = first_line(exc)
         print(f"error: {msg}", file=sys.stderr)
         return 1
 

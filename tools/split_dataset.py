@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from detector.data.split import split_dataset  # noqa: E402
+from detector.messages import first_line  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -52,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      voc_split=args.voc_split, fractions=args.fractions, folds=args.folds,
                                      seed=args.seed, overwrite=args.overwrite)
     except (ValueError, OSError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        msg = first_line(exc)
         print(f"error: {msg}", file=sys.stderr)
         return 1
     print(table)

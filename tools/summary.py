@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from detector.config import ConfigError, load_config  # noqa: E402
+from detector.messages import first_line  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.summary import default_image_size, format_summary, model_summary  # noqa: E402
 
@@ -56,7 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"summary written to {args.json}")
         return 0
     except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        msg = first_line(exc)
         print(f"error: {msg}", file=sys.stderr)
         return 1
 

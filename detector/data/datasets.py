@@ -45,6 +45,8 @@ from PIL import Image
 
 from .samplers import SampleKey
 
+from detector.messages import first_line
+
 logger = logging.getLogger(__name__)
 
 # The 20 PASCAL VOC classes, in the usual order (used when data.class_names is empty).
@@ -208,7 +210,7 @@ def load_image(path: str, image_id: Optional[int] = None) -> np.ndarray:
     except DataError:
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = first_line(exc)
         raise DataError(f"cannot decode {what}: {reason}") from None
     return array
 

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from detector.config import Config
+from detector.messages import first_line
 
 from .samplers import (
     GroupedBatchSampler,
@@ -178,7 +179,7 @@ class DetectionDataLoader(DataLoader):
                 return
             except RuntimeError as exc:
                 if _is_bus_error(exc, iterator):
-                    raise RuntimeError(f"{_SHM_ADVICE} (original error: {str(exc).splitlines()[0]})") from exc
+                    raise RuntimeError(f"{_SHM_ADVICE} (original error: {first_line(exc)})") from exc
                 raise
             if isinstance(batch, PackedBatch):
                 batch = batch.unpack()

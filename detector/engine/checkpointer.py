@@ -26,6 +26,7 @@ import torch
 
 from detector.engine import checkpoint as ckpt
 from detector.distributed import all_gather_object
+from detector.messages import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Checkpointer:
             for name in names[1:]:  # the same bytes under another name: a hard link if possible
                 ckpt.link_or_copy_checkpoint(first, self.directory / name)
         except (OSError, RuntimeError) as exc:  # torch's zip writer reports a failed write as RuntimeError
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = first_line(exc)
             reason = getattr(exc, "strerror", None) or text
             return None, (
                 f"cannot write checkpoint {self.directory / names[0]} ({reason}); free space in "

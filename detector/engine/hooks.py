@@ -51,6 +51,7 @@ from detector.engine.log import (
     peak_memory_mb,
 )
 from detector.engine.step import AmpSettings, StepResult
+from detector.messages import typed_first_line
 
 logger = logging.getLogger(__name__)
 
@@ -458,9 +459,8 @@ class EvalHook(HookBase):
         try:
             metrics = self.evaluate(iteration) or {}
         except Exception as exc:  # noqa: BLE001 - any failure inside evaluation becomes one line
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             at = self._checkpoint_at(iteration)
-            error = (f"evaluation at iteration {iteration} failed ({type(exc).__name__}: {reason}); "
+            error = (f"evaluation at iteration {iteration} failed ({typed_first_line(exc)}); "
                      f"no checkpoint is lost: evaluate later with: {self.eval_command.format(weights=at)}")
             logger.debug("evaluation failure", exc_info=True)  # the traceback goes to log.txt only
         if self.world_size > 1:

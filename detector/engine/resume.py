@@ -20,6 +20,7 @@ from detector.config import Config, ConfigError, config_from_dict, config_to_dic
 from detector.engine import checkpoint as ckpt
 from detector.engine.checkpoint import CheckpointError
 from detector.engine.optim import WarmupLRScheduler
+from detector.messages import first_line
 from detector.modeling.weights import WeightsError, load_weights
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def load_training_state(
         if state.get("scaler") and scaler.is_enabled():
             scaler.load_state_dict(state["scaler"])
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         raise CheckpointError(f"--resume: {path} does not fit this run's model or optimizer: {first}") from None
     stored = state.get("config")
     if isinstance(stored, dict):

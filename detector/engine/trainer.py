@@ -54,6 +54,7 @@ from detector.engine.setup import apply_norm_policy, configure_torch, prepare_mo
 from detector.engine.step import StepResult, TrainStep
 from detector.evaluation import evaluate as default_evaluate
 from detector.evaluation.tensorboard import write_report
+from detector.messages import first_line
 from detector.modeling import FasterRCNN, build_model
 from detector.modeling.summary import default_image_size, format_summary, write_summary
 from detector.modeling.weights import load_initial_weights
@@ -197,7 +198,7 @@ class Trainer:
         try:
             summary = write_summary(model, default_image_size(self.cfg), path)
         except (RuntimeError, ValueError, OSError) as exc:
-            logger.warning("model summary skipped: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
+            logger.warning("model summary skipped: %s", first_line(exc))
             return
         logger.info("model summary (%s):\n%s", path, format_summary(summary))
 
@@ -308,7 +309,7 @@ class Trainer:
             self._loop(state)
             state.status = "interrupted" if state.iteration < state.max_iter else "finished"
         except BaseException as exc:
-            state.status, state.error = "failed", (str(exc).splitlines() or [type(exc).__name__])[0]
+            state.status, state.error = "failed", first_line(exc)
             for hook in self.hooks:
                 try:
                     hook.after_train(state)

@@ -20,6 +20,8 @@ from ..distributed import all_gather_object, get_rank, get_world_size
 from .inference import LOSS_NAMES, array_to_detections, compute_val_loss, run_inference
 from .scoring import ScoreReport, format_table, score_detections, write_outputs
 
+from detector.messages import typed_first_line
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,12 +32,6 @@ class EvalMetrics(dict):
     def __init__(self, metrics: Dict[str, float], report: Optional[ScoreReport] = None) -> None:
         super().__init__(metrics)
         self.report = report
-
-
-def _one_line(exc: BaseException) -> str:
-    """``"Type: first line of the message"``."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _check_coverage(dataset_ids: List[int], gathered_ids: List[int]) -> None:
@@ -71,7 +67,7 @@ def _infer_and_gather(model: nn.Module, loader: Any, label_to_category_id: Dict[
             raise
         failure = exc  # the other ranks wait in the gather below: send them the failure
     if failure is not None:
-        mine = (_one_line(failure), None, None, None, None)
+        mine = (typed_first_line(failure), None, None, None, None)
     else:
         mine = (None, out.detections, out.image_ids, out.seconds, loss_part)
     gathered = all_gather_object(mine)

@@ -36,6 +36,8 @@ from torch import Tensor, nn
 
 from .faster_rcnn import FasterRCNN
 
+from detector.messages import first_line
+
 FORMATS = ("torchscript", "onnx")
 INSTALL_HINT = "pip install -e \".[export]\""
 BOX_TOL = 1e-3  # pixels
@@ -47,10 +49,6 @@ Detections = Tuple[Tensor, Tensor, Tensor]  # boxes [M, 4] float32, scores [M] f
 
 class ExportError(RuntimeError):
     """An export or parity-check failure, with a one-line message."""
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _size(image: Tensor) -> str:
@@ -148,7 +146,7 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        raise ExportError(f"the ONNX file {path} is not valid: {_first_line(exc)}") from None
+        raise ExportError(f"the ONNX file {path} is not valid: {first_line(exc)}") from None
 
 
 def load_exported(fmt: str, path: str | os.PathLike, threads: int = 0) -> Callable[[Tensor], Detections]:
@@ -163,7 +161,7 @@ def load_exported(fmt: str, path: str | os.PathLike, threads: int = 0) -> Callab
                 warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
                 module = torch.jit.load(str(path), map_location="cpu").eval()
         except (RuntimeError, ValueError) as exc:
-            raise ExportError(f"cannot load TorchScript file {path}: {_first_line(exc)}") from None
+            raise ExportError(f"cannot load TorchScript file {path}: {first_line(exc)}") from None
 
         def run_torchscript(image: Tensor) -> Detections:
             try:
@@ -186,13 +184,13 @@ def load_exported(fmt: str, path: str | os.PathLike, threads: int = 0) -> Callab
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's own exception types (InvalidGraph, Fail, ...)
-        raise ExportError(f"cannot load ONNX file {path}: {_first_line(exc)}") from None
+        raise ExportError(f"cannot load ONNX file {path}: {first_line(exc)}") from None
 
     def run_onnx(image: Tensor) -> Detections:
         try:
             boxes, scores, labels = session.run(None, {"image": image.cpu().numpy()})
         except Exception as exc:  # onnxruntime's own exception types (Fail, InvalidArgument, ...)
-            raise ExportError(f"running {path} on a {_size(image)} image failed: {_first_line(exc)}") from None
+            raise ExportError(f"running {path} on a {_size(image)} image failed: {first_line(exc)}") from None
         return torch.from_numpy(boxes), torch.from_numpy(scores), torch.from_numpy(labels)
 
     return run_onnx

@@ -43,6 +43,8 @@ import torch
 from torch import Tensor, nn
 from torchvision.models import get_weight
 
+from detector.messages import first_line
+
 logger = logging.getLogger(__name__)
 
 PREDICTOR_PREFIX = "roi_heads.box_predictor."
@@ -305,7 +307,7 @@ def torchvision_state_dict(source: str, key: str = "model.weights",
     try:
         return weights.get_state_dict(progress=False, check_hash=True)
     except Exception as exc:  # noqa: BLE001 - URLError, OSError, RuntimeError (hash)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         file_name = os.path.basename(urllib.parse.urlparse(weights.url).path)
         folder = Path(torch.hub.get_dir()) / "checkpoints"
         raise WeightsError(
