@@ -88,24 +88,12 @@ def run_benchmark(
     ``memory_kind``, ``times_s``) and, when compared, ``ratio`` (ours / torchvision,
     images per second).
     """
-    if task not in TASKS:
-        raise ValueError(f"--task must be one of {', '.join(TASKS)}; got {task!r}")
-    if iters < 1:
-        raise ValueError(f"--iters must be >= 1, got {iters}")
-    if warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {warmup}")
-    if count_ops and task != "train":
-        raise ValueError(f"--count-ops applies to --task train, not {task!r}")
-    if compare_torchvision and task not in ("train", "infer"):
-        raise ValueError(f"--compare-torchvision applies to --task train or infer, not {task!r}")
-    if threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {threads}")
+    _check_arguments(task, iters, warmup, count_ops, compare_torchvision, threads)
     if threads:
         torch.set_num_threads(threads)
     device = resolve_device(cfg.train.device) if task in ("train", "infer", "tta", "scaling") else torch.device("cpu")
     if task in ("train", "infer", "scaling"):
         cfg = _resolve_num_classes(cfg, synthetic)
-    amp = resolve_amp(cfg.train.amp, device)
     result: Dict[str, Any] = {
         "task": task,
         "config": config_path,
@@ -115,13 +103,7 @@ def run_benchmark(
         "iters": iters,
         "warmup": warmup,
         "synthetic": synthetic,
-        "options": {
-            "channels_last": cfg.train.channels_last,
-            "cudnn_benchmark": cfg.train.cudnn_benchmark,
-            "compile_backbone": cfg.train.compile_backbone,
-            "amp": amp.enabled,
-            "amp_dtype": str(amp.dtype).replace("torch.", ""),
-        },
+        "options": _speed_options(cfg, device),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     t0 = time.perf_counter()
@@ -133,18 +115,7 @@ def run_benchmark(
         if task == "train" and loader and not synthetic:
             result["runs"].update(benchmark_train_loader(cfg, iters, warmup)["runs"])
         if task == "train" and (profile or count_ops):
-            profiles = {"ours": profile_train_step(cfg, synthetic=synthetic)}
-            if compare_torchvision or count_ops:
-                profiles["torchvision"] = profile_train_step(cfg, synthetic=synthetic, torchvision_model=True)
-            if profile:
-                result["profile"] = profiles
-            if count_ops:
-                result["ops_per_step"] = {k: p["counts"]["aten_ops"] for k, p in profiles.items()}
-                result["host_syncs_per_step"] = {k: p["counts"]["host_syncs"] for k, p in profiles.items()}
-                result["nonzero_per_step"] = {k: p["counts"]["nonzero"] for k, p in profiles.items()}
-                result["ops_counted"] = ("aten:: operators dispatched (nested included) and host syncs ("
-                                         + ", ".join(SYNC_EVENTS) + ") in one training step after warm-up, "
-                                         "by torch.profiler")
+            result.update(_train_profiles(cfg, synthetic, profile, count_ops, compare_torchvision))
     elif task == "data":
         result.update(benchmark_data(cfg, iters, warmup))
     elif task == "memory":
@@ -165,6 +136,55 @@ def run_benchmark(
         pass
     result["config_resolved"] = config_to_dict(cfg)
     return result
+
+
+def _check_arguments(task: str, iters: int, warmup: int, count_ops: bool, compare_torchvision: bool,
+                     threads: int) -> None:
+    """``ValueError`` naming the option for arguments that do not fit together."""
+    if task not in TASKS:
+        raise ValueError(f"--task must be one of {', '.join(TASKS)}; got {task!r}")
+    if iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {iters}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    if count_ops and task != "train":
+        raise ValueError(f"--count-ops applies to --task train, not {task!r}")
+    if compare_torchvision and task not in ("train", "infer"):
+        raise ValueError(f"--compare-torchvision applies to --task train or infer, not {task!r}")
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {threads}")
+
+
+def _speed_options(cfg: Config, device: torch.device) -> Dict[str, Any]:
+    """The ``train.*`` speed settings in force on ``device``, for the result's ``options``."""
+    amp = resolve_amp(cfg.train.amp, device)
+    return {
+        "channels_last": cfg.train.channels_last,
+        "cudnn_benchmark": cfg.train.cudnn_benchmark,
+        "compile_backbone": cfg.train.compile_backbone,
+        "amp": amp.enabled,
+        "amp_dtype": str(amp.dtype).replace("torch.", ""),
+    }
+
+
+def _train_profiles(cfg: Config, synthetic: bool, profile: bool, count_ops: bool,
+                    compare_torchvision: bool) -> Dict[str, Any]:
+    """``profile`` (per model: :func:`profile_train_step`) and/or the ``--count-ops``
+    fields (``ops_per_step``, ``host_syncs_per_step``, ``nonzero_per_step``)."""
+    profiles = {"ours": profile_train_step(cfg, synthetic=synthetic)}
+    if compare_torchvision or count_ops:
+        profiles["torchvision"] = profile_train_step(cfg, synthetic=synthetic, torchvision_model=True)
+    out: Dict[str, Any] = {}
+    if profile:
+        out["profile"] = profiles
+    if count_ops:
+        out["ops_per_step"] = {k: p["counts"]["aten_ops"] for k, p in profiles.items()}
+        out["host_syncs_per_step"] = {k: p["counts"]["host_syncs"] for k, p in profiles.items()}
+        out["nonzero_per_step"] = {k: p["counts"]["nonzero"] for k, p in profiles.items()}
+        out["ops_counted"] = ("aten:: operators dispatched (nested included) and host syncs ("
+                              + ", ".join(SYNC_EVENTS) + ") in one training step after warm-up, "
+                              "by torch.profiler")
+    return out
 
 
 def format_summary(result: Dict[str, Any]) -> str:
