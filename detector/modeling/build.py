@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config import Config
 from .anchors import AnchorGenerator
-from .backbone import build_resnet_fpn
+from .backbone import ResNetFPN, build_resnet_fpn
 from .faster_rcnn import FasterRCNN
 from .roi_heads import FastRCNNPredictor, MultiLevelRoIAlign, ROIHeads, TwoMLPHead
 from .rpn import RegionProposalNetwork, RPNHead
@@ -18,7 +18,7 @@ def build_model(cfg: Config) -> FasterRCNN:
     ``detector.modeling.weights.load_initial_weights`` (training), or a checkpoint through
     ``load_weights`` (evaluation, inference).
     """
-    m, r, h = cfg.model, cfg.rpn, cfg.roi_heads
+    m = cfg.model
     if len(m.pixel_mean) != 3 or len(m.pixel_std) != 3:
         raise ValueError("model.pixel_mean and model.pixel_std need 3 values (RGB)")
     backbone = build_resnet_fpn(
@@ -36,10 +36,23 @@ def build_model(cfg: Config) -> FasterRCNN:
             f"model.anchors.sizes has {len(m.anchors.sizes)} levels but the backbone has "
             f"{len(backbone.strides)} (model.return_stages {list(m.return_stages)} + the pooled level)"
         )
-    anchor_generator = AnchorGenerator(m.anchors.sizes, m.anchors.aspect_ratios)
-    rpn = RegionProposalNetwork(
+    if m.num_classes is None:
+        raise ValueError("model.num_classes is auto, which only training resolves (from the data set): "
+                         "use the run's config.yaml, or set model.num_classes=K")
+    if m.num_classes < 1:
+        raise ValueError(f"model.num_classes must be >= 1, got {m.num_classes}")
+    return FasterRCNN(backbone, build_rpn(cfg, backbone.out_channels), build_roi_heads(cfg, backbone),
+                      m.pixel_mean, m.pixel_std, m.size_divisibility, canvas_sizes=m.canvas_sizes)
+
+
+def build_rpn(cfg: Config, in_channels: int) -> RegionProposalNetwork:
+    """The RPN of ``cfg.rpn`` with the anchors of ``cfg.model.anchors``, on FPN levels of
+    ``in_channels`` channels."""
+    r = cfg.rpn
+    anchor_generator = AnchorGenerator(cfg.model.anchors.sizes, cfg.model.anchors.aspect_ratios)
+    return RegionProposalNetwork(
         anchor_generator,
-        RPNHead(backbone.out_channels, anchor_generator.num_anchors_per_location, r.conv_depth),
+        RPNHead(in_channels, anchor_generator.num_anchors_per_location, r.conv_depth),
         box_coder_weights=r.box_coder_weights,
         pre_nms_topk=(r.pre_nms_topk_train, r.pre_nms_topk_test),
         post_nms_topk=(r.post_nms_topk_train, r.post_nms_topk_test),
@@ -53,23 +66,24 @@ def build_model(cfg: Config) -> FasterRCNN:
         sigma=r.sigma,
         positive_weight=r.positive_weight,
     )
+
+
+def build_roi_heads(cfg: Config, backbone: ResNetFPN) -> ROIHeads:
+    """The box branch of ``cfg.roi_heads`` for ``cfg.model.num_classes`` classes (set),
+    pooling the backbone's ``pooled_levels``."""
+    h, num_classes = cfg.roi_heads, int(cfg.model.num_classes)
     pooler = MultiLevelRoIAlign(
         backbone.strides[: len(backbone.pooled_levels)],
         output_size=h.pooler_resolution,
         sampling_ratio=h.sampling_ratio,
         aligned=h.aligned,
     )
-    if m.num_classes is None:
-        raise ValueError("model.num_classes is auto, which only training resolves (from the data set): "
-                         "use the run's config.yaml, or set model.num_classes=K")
-    if m.num_classes < 1:
-        raise ValueError(f"model.num_classes must be >= 1, got {m.num_classes}")
     box_head = TwoMLPHead(backbone.out_channels * h.pooler_resolution ** 2, h.representation_size)
-    roi_heads = ROIHeads(
+    return ROIHeads(
         pooler,
         box_head,
-        FastRCNNPredictor(h.representation_size, m.num_classes + 1),
-        num_classes=m.num_classes,
+        FastRCNNPredictor(h.representation_size, num_classes + 1),
+        num_classes=num_classes,
         fg_iou_thresh=h.fg_iou_thresh,
         bg_iou_lo=h.bg_iou_lo,
         bg_iou_hi=h.bg_iou_hi,
@@ -82,5 +96,3 @@ def build_model(cfg: Config) -> FasterRCNN:
         detections_per_img=h.detections_per_img,
         min_box_size=h.min_box_size,
     )
-    return FasterRCNN(backbone, rpn, roi_heads, m.pixel_mean, m.pixel_std, m.size_divisibility,
-                      canvas_sizes=m.canvas_sizes)
