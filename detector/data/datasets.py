@@ -451,26 +451,16 @@ def coco_label_map(
     return names, label_to_category_id, used
 
 
-def parse_coco(
-    ann_file: str | os.PathLike,
-    image_dir: str | os.PathLike,
-    issues: Issues,
-    class_names: Optional[Sequence[str]] = None,
-    label_space: str = "contiguous",
-) -> Tuple[List[ImageRecord], List[str], Dict[int, int], Any]:
-    """Parse a COCO instances JSON (through pycocotools' index) into image records.
+def _read_coco_json(ann_file: str) -> Dict[str, Any]:
+    """Read ``ann_file`` and check its top level.
 
-    Returns ``(records, class_names, label_to_category_id, coco)``: labels as
-    :func:`coco_label_map` gives them for ``label_space``. ``[x, y, w, h]`` becomes
-    ``[x, y, x + w, y + h]``.
+    Returns the parsed object (a dict whose ``images`` and ``categories`` are lists; a
+    missing ``annotations`` is set to ``[]``).
 
-    ``class_names`` (category names, e.g. ``data.class_names``) keeps those categories
-    only; annotations of the other categories are dropped and counted by name in
-    ``issues.other_classes``.
+    Raises:
+        DataError: the top level is no object, or ``images``/``categories`` is missing or
+            not a list (and :func:`read_json`'s errors).
     """
-    from pycocotools.coco import COCO
-
-    ann_file = str(ann_file)
     data = read_json(ann_file)
     if not isinstance(data, dict):
         raise DataError(f"annotation file {ann_file}: the top level must be an object with 'images', 'annotations', 'categories'")
@@ -478,23 +468,38 @@ def parse_coco(
         if not isinstance(data.get(key), list):
             raise DataError(f"annotation file {ann_file}: missing or malformed top-level key '{key}'")
     data.setdefault("annotations", [])
+    return data
 
-    # Categories -> labels (see coco_label_map).
+
+def _coco_categories(categories_list: list, ann_file: str, issues: Issues) -> Dict[Any, dict]:
+    """The ``categories`` entries by id (a repeated id: an error in ``issues``; the last wins).
+
+    Raises:
+        DataError: an entry that is no object with an ``id``.
+    """
     categories = {}
-    for i, cat in enumerate(data["categories"]):
+    for i, cat in enumerate(categories_list):
         if not isinstance(cat, dict) or "id" not in cat:
             raise DataError(f"annotation file {ann_file}: categories[{i}] has no 'id'")
         if cat["id"] in categories:
             issues.error(f"annotation file {ann_file}: category id {cat['id']} appears twice in 'categories'")
         categories[cat["id"]] = cat
-    names_by_id = {c: str(categories[c].get("name", c)) for c in sorted(categories)}
-    class_names, label_to_category_id, cat_ids = coco_label_map(names_by_id, class_names, label_space, ann_file)
-    category_id_to_label = {c: lab for lab, c in label_to_category_id.items()}
+    return categories
 
-    # Images: required fields, unique ids (pycocotools would silently keep the last one).
+
+def _coco_images(
+    images: list, ann_file: str, image_dir: str | os.PathLike, issues: Issues
+) -> Tuple[List[dict], Dict[Any, str]]:
+    """The valid ``images`` entries: required fields, integer id, positive size,
+    ``file_name`` inside ``image_dir``, unique id (pycocotools would silently keep the
+    last one). Each invalid entry is an error in ``issues`` and left out.
+
+    Returns ``(good_images, seen)``: the valid entries in file order, and their
+    ``file_name`` by image id.
+    """
     seen: Dict[Any, str] = {}
     good_images = []
-    for i, img in enumerate(data["images"]):
+    for i, img in enumerate(images):
         missing = [k for k in ("id", "file_name", "width", "height") if not isinstance(img, dict) or k not in img]
         if missing:
             issues.error(f"annotation file {ann_file}: images[{i}] lacks {', '.join(repr(k) for k in missing)}")
@@ -518,11 +523,30 @@ def parse_coco(
             continue
         seen[img["id"]] = img["file_name"]
         good_images.append(img)
+    return good_images, seen
 
-    anns_by_image: Dict[Any, list] = {img["id"]: [] for img in good_images}
+
+def _coco_annotations(
+    annotations: list,
+    ann_file: str,
+    seen: Dict[Any, str],
+    category_id_to_label: Dict[Any, int],
+    names_by_id: Dict[Any, str],
+    issues: Issues,
+) -> Tuple[Dict[Any, list], List[dict]]:
+    """The valid ``annotations`` entries: an object with a unique ``id``, a valid
+    ``image_id`` (a key of ``seen``, the valid images), a ``category_id`` in use and a
+    ``bbox`` of 4 numbers. Each invalid entry is an error in ``issues`` and left out; an
+    annotation of a category left out of ``data.class_names`` is counted by name in
+    ``issues.other_classes`` and left out.
+
+    Returns ``(anns_by_image, good_anns)``: the valid entries by image id (every id of
+    ``seen``, in its order) and in file order.
+    """
+    anns_by_image: Dict[Any, list] = {image_id: [] for image_id in seen}
     good_anns = []
     ann_ids: set = set()
-    for i, ann in enumerate(data["annotations"]):
+    for i, ann in enumerate(annotations):
         if not isinstance(ann, dict) or "id" not in ann:
             issues.error(f"annotation file {ann_file}: annotations[{i}] is not an object with an 'id'")
             continue
@@ -547,15 +571,20 @@ def parse_coco(
             continue
         anns_by_image[ann["image_id"]].append(ann)
         good_anns.append(ann)
+    return anns_by_image, good_anns
 
-    # pycocotools' index over the validated content (it would silently keep the last of
-    # two equal ids, and fail on annotations without one).
-    coco = COCO()
-    coco.dataset = {**data, "images": good_images, "annotations": good_anns,
-                    "categories": [categories[c] for c in cat_ids]}
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco.createIndex()
 
+def _coco_records(
+    good_images: List[dict],
+    anns_by_image: Dict[Any, list],
+    category_id_to_label: Dict[Any, int],
+    image_dir: str | os.PathLike,
+    ann_file: str,
+    issues: Issues,
+) -> List[ImageRecord]:
+    """One ``ImageRecord`` per valid image, in order: each ``[x, y, w, h]`` becomes
+    ``[x, y, x + w, y + h]`` and goes through :func:`check_box` (skips and clips counted in
+    ``issues``); area is the annotation's positive ``area``, else ``w * h``."""
     records = []
     image_dir = str(image_dir)
     for img in good_images:
@@ -574,6 +603,50 @@ def parse_coco(
         arrays = _rows_to_arrays(rows)
         records.append(ImageRecord(image_id=int(img["id"]), path=path_within(image_dir, img["file_name"]),
                                    width=width, height=height, **arrays))
+    return records
+
+
+def parse_coco(
+    ann_file: str | os.PathLike,
+    image_dir: str | os.PathLike,
+    issues: Issues,
+    class_names: Optional[Sequence[str]] = None,
+    label_space: str = "contiguous",
+) -> Tuple[List[ImageRecord], List[str], Dict[int, int], Any]:
+    """Parse a COCO instances JSON (through pycocotools' index) into image records.
+
+    Returns ``(records, class_names, label_to_category_id, coco)``: labels as
+    :func:`coco_label_map` gives them for ``label_space``. ``[x, y, w, h]`` becomes
+    ``[x, y, x + w, y + h]``.
+
+    ``class_names`` (category names, e.g. ``data.class_names``) keeps those categories
+    only; annotations of the other categories are dropped and counted by name in
+    ``issues.other_classes``.
+    """
+    from pycocotools.coco import COCO
+
+    ann_file = str(ann_file)
+    data = _read_coco_json(ann_file)
+
+    # Categories -> labels (see coco_label_map).
+    categories = _coco_categories(data["categories"], ann_file, issues)
+    names_by_id = {c: str(categories[c].get("name", c)) for c in sorted(categories)}
+    class_names, label_to_category_id, cat_ids = coco_label_map(names_by_id, class_names, label_space, ann_file)
+    category_id_to_label = {c: lab for lab, c in label_to_category_id.items()}
+
+    good_images, seen = _coco_images(data["images"], ann_file, image_dir, issues)
+    anns_by_image, good_anns = _coco_annotations(data["annotations"], ann_file, seen, category_id_to_label,
+                                                 names_by_id, issues)
+
+    # pycocotools' index over the validated content (it would silently keep the last of
+    # two equal ids, and fail on annotations without one).
+    coco = COCO()
+    coco.dataset = {**data, "images": good_images, "annotations": good_anns,
+                    "categories": [categories[c] for c in cat_ids]}
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
+
+    records = _coco_records(good_images, anns_by_image, category_id_to_label, image_dir, ann_file, issues)
     return records, class_names, label_to_category_id, coco
 
 
@@ -658,6 +731,92 @@ def log_other_classes(source: str, class_names: Sequence[str], dropped: Counter)
                     ", ".join(f"{name} {n}" for name, n in dropped.most_common()))
 
 
+def _voc_split_ids(split_file: Path, issues: Issues) -> List[str]:
+    """The image ids listed in ``split_file`` (first word of each non-blank line), each
+    once, in file order; an id listed more than once is an error in ``issues``.
+
+    Raises:
+        FileNotFoundError: ``split_file`` does not exist.
+    """
+    if not split_file.is_file():
+        raise FileNotFoundError(f"VOC split file not found: {split_file}")
+    ids = [line.split()[0] for line in split_file.read_text().splitlines() if line.strip()]
+    counts = Counter(ids)
+    for name, n in counts.items():
+        if n > 1:
+            issues.error(f"VOC split file {split_file}: image id '{name}' appears {n} times")
+    return list(dict.fromkeys(ids))
+
+
+def _read_voc_xml(xml_path: Path, issues: Issues) -> Optional[Tuple[ET.Element, int, int]]:
+    """Parse one VOC XML file: ``(root element, width, height)`` in pixels, or None after
+    an error in ``issues`` (missing file, invalid XML, missing/bad or non-positive size)."""
+    try:
+        tree = ET.parse(xml_path)
+    except FileNotFoundError:
+        issues.error(f"VOC annotation file not found: {xml_path}")
+        return None
+    except ET.ParseError as exc:
+        issues.error(f"VOC annotation file {xml_path} is not valid XML: {exc}")
+        return None
+    node = tree.getroot()
+    size = node.find("size")
+    try:
+        width, height = int(float(_xml_text(size, "width"))), int(float(_xml_text(size, "height")))
+    except (TypeError, ValueError):
+        issues.error(f"VOC annotation file {xml_path}: missing or bad <size><width>/<height>")
+        return None
+    if width <= 0 or height <= 0:
+        issues.error(f"VOC annotation file {xml_path}: image size {width}x{height} is not positive")
+        return None
+    return node, width, height
+
+
+def _voc_object_row(
+    obj: ET.Element,
+    where: str,
+    width: int,
+    height: int,
+    name_to_label: Dict[str, int],
+    drop_other_classes: bool,
+    ann_id: int,
+    issues: Issues,
+) -> Optional[tuple]:
+    """One ``<object>`` (``where`` names it in messages) of a ``width`` x ``height`` image.
+
+    Returns the row ``(box xyxy, label, iscrowd=False, difficult, ann_id, area)`` with the
+    box converted from VOC's 1-based inclusive pixels and checked by :func:`check_box`, or
+    None: an unknown class (an error in ``issues``, or with ``drop_other_classes``
+    counted in ``issues.other_classes``), bad ``<bndbox>`` coordinates (an error), or a
+    box that :func:`check_box` skips. Fractional coordinates are accepted and noted in
+    ``issues.non_integer``.
+    """
+    name = _xml_text(obj, "name")
+    if name not in name_to_label:
+        if drop_other_classes and name:
+            issues.other_classes[name] += 1
+        else:
+            issues.error(f"{where}: class name {name!r} is not in data.class_names")
+        return None
+    bnd = obj.find("bndbox")
+    try:
+        xmin, ymin, xmax, ymax = (float(_xml_text(bnd, k)) for k in ("xmin", "ymin", "xmax", "ymax"))
+    except (TypeError, ValueError):
+        issues.error(f"{where}: missing or bad <bndbox> coordinates")
+        return None
+    box = check_box((xmin - 1.0, ymin - 1.0, xmax, ymax), width, height, where, issues)
+    if box is None:
+        return None
+    if not all(float(v).is_integer() for v in (xmin, ymin, xmax, ymax)):
+        # VOC writes integer pixel indices; some tools write fractions. Accepted as
+        # floats (same conversion), counted for check_dataset's report.
+        issues.non_integer.append(f"{where}: non-integer coordinates "
+                                  f"[{xmin:g}, {ymin:g}, {xmax:g}, {ymax:g}] (accepted as floats)")
+    difficult = (_xml_text(obj, "difficult") or "0") not in ("0", "")
+    area = (box[2] - box[0]) * (box[3] - box[1])
+    return box, name_to_label[name], False, difficult, ann_id, area
+
+
 def parse_voc(
     root: str | os.PathLike,
     split: str,
@@ -677,14 +836,7 @@ def parse_voc(
     """
     root = Path(root)
     split_file = root / "ImageSets" / "Main" / f"{split}.txt"
-    if not split_file.is_file():
-        raise FileNotFoundError(f"VOC split file not found: {split_file}")
-    ids = [line.split()[0] for line in split_file.read_text().splitlines() if line.strip()]
-    counts = Counter(ids)
-    for name, n in counts.items():
-        if n > 1:
-            issues.error(f"VOC split file {split_file}: image id '{name}' appears {n} times")
-    ids = list(dict.fromkeys(ids))
+    ids = _voc_split_ids(split_file, issues)
     int_ids = voc_image_ids(ids)
     name_to_label = {name: i + 1 for i, name in enumerate(class_names)}
     records = []
@@ -694,52 +846,17 @@ def parse_voc(
             issues.error(f"VOC split file {split_file}: image id {vid!r} resolves outside the year folder {root}")
             continue
         xml_path = root / "Annotations" / f"{vid}.xml"
-        try:
-            tree = ET.parse(xml_path)
-        except FileNotFoundError:
-            issues.error(f"VOC annotation file not found: {xml_path}")
+        parsed = _read_voc_xml(xml_path, issues)
+        if parsed is None:
             continue
-        except ET.ParseError as exc:
-            issues.error(f"VOC annotation file {xml_path} is not valid XML: {exc}")
-            continue
-        node = tree.getroot()
-        size = node.find("size")
-        try:
-            width, height = int(float(_xml_text(size, "width"))), int(float(_xml_text(size, "height")))
-        except (TypeError, ValueError):
-            issues.error(f"VOC annotation file {xml_path}: missing or bad <size><width>/<height>")
-            continue
-        if width <= 0 or height <= 0:
-            issues.error(f"VOC annotation file {xml_path}: image size {width}x{height} is not positive")
-            continue
+        node, width, height = parsed
         rows = []
         for j, obj in enumerate(node.findall("object")):
-            ann_counter += 1
-            where = f"VOC annotation file {xml_path}: object {j}"
-            name = _xml_text(obj, "name")
-            if name not in name_to_label:
-                if drop_other_classes and name:
-                    issues.other_classes[name] += 1
-                else:
-                    issues.error(f"{where}: class name {name!r} is not in data.class_names")
-                continue
-            bnd = obj.find("bndbox")
-            try:
-                xmin, ymin, xmax, ymax = (float(_xml_text(bnd, k)) for k in ("xmin", "ymin", "xmax", "ymax"))
-            except (TypeError, ValueError):
-                issues.error(f"{where}: missing or bad <bndbox> coordinates")
-                continue
-            box = check_box((xmin - 1.0, ymin - 1.0, xmax, ymax), width, height, where, issues)
-            if box is None:
-                continue
-            if not all(float(v).is_integer() for v in (xmin, ymin, xmax, ymax)):
-                # VOC writes integer pixel indices; some tools write fractions. Accepted as
-                # floats (same conversion), counted for check_dataset's report.
-                issues.non_integer.append(f"{where}: non-integer coordinates "
-                                          f"[{xmin:g}, {ymin:g}, {xmax:g}, {ymax:g}] (accepted as floats)")
-            difficult = (_xml_text(obj, "difficult") or "0") not in ("0", "")
-            area = (box[2] - box[0]) * (box[3] - box[1])
-            rows.append((box, name_to_label[name], False, difficult, ann_counter, area))
+            ann_counter += 1  # every object counts, kept or not
+            row = _voc_object_row(obj, f"VOC annotation file {xml_path}: object {j}", width, height,
+                                  name_to_label, drop_other_classes, ann_counter, issues)
+            if row is not None:
+                rows.append(row)
         records.append(ImageRecord(image_id=image_id, path=str(root / "JPEGImages" / f"{vid}.jpg"),
                                    width=width, height=height, **_rows_to_arrays(rows)))
     return records
