@@ -19,6 +19,7 @@ from PIL import Image
 
 from detector.config import load_config
 from detector.modeling import build_model
+from detector.modeling import weights as weights_module
 from detector.modeling.weights import WeightsError, read_weights_file
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
 
@@ -151,3 +152,27 @@ def test_weights_flag_never_loads_model_weights(tool_setup, tool, weights, monke
     source = str(root / weights) if weights.endswith(".pth") else weights
     args = _tool_args(tool, root / "good.pth", root, [*overrides, f"model.weights={source}"], image)
     assert load_tool(tool).main(args[1:]) == 0
+
+
+@pytest.mark.parametrize("tool", ["eval", "infer"])
+def test_weights_flag_takes_a_torchvision_weights_name(tool_setup, tool, monkeypatch, capsys):
+    """``--weights FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` fetches torchvision's weights
+    (here a stand-in: no download in tests) and loads them strictly; an unknown name is
+    one line naming ``--weights``."""
+    root, overrides, image, _ = tool_setup
+    asked = []
+
+    def fetch(source, key, instead):
+        asked.append((source, key))
+        return read_weights_file(root / "good.pth")
+
+    monkeypatch.setattr(weights_module, "torchvision_state_dict", fetch)
+    name = "FasterRCNN_ResNet50_FPN_Weights.COCO_V1"
+    assert load_tool(tool).main(_tool_args(tool, name, root, overrides, image)[1:]) == 0
+    assert asked == [(name, "--weights")]
+    monkeypatch.undo()
+    capsys.readouterr()
+    bad = "FasterRCNN_ResNet50_FPN_Weights.NO_SUCH"
+    assert load_tool(tool).main(_tool_args(tool, bad, root, overrides, image)[1:]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--weights: unknown torchvision weights name" in errors[0] and bad in errors[0]

@@ -38,7 +38,8 @@ logger = logging.getLogger("detector.tools.eval")
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config of the model and data (model mode)")
-    p.add_argument("--weights", help="checkpoint or state dict to evaluate (model mode)")
+    p.add_argument("--weights", help="checkpoint or state dict to evaluate (model mode), or a torchvision weights "
+                   "name such as FasterRCNN_ResNet50_FPN_Weights.COCO_V1")
     p.add_argument("--predictions", help="detections JSON to score (file mode)")
     p.add_argument("--annotations", help="COCO-format ground-truth JSON (file mode)")
     p.add_argument("--voc-root", help="VOC year folder as ground truth (file mode), e.g. VOCdevkit/VOC2012")
@@ -98,7 +99,7 @@ def score_file(args: argparse.Namespace) -> int:
 def run_model(args: argparse.Namespace) -> int:
     """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
     from detector.data import build_dataset, resolve_num_classes
-    from detector.modeling.weights import load_weights
+    from detector.modeling.weights import load_model_weights
     from detector.distributed import cleanup, init_distributed
     from detector.engine.log import setup_logging
     from detector.evaluation import evaluate
@@ -112,7 +113,7 @@ def run_model(args: argparse.Namespace) -> int:
         if cfg.model.num_classes is None:  # auto: the run's config.yaml holds the number; else the data's
             cfg = resolve_num_classes(cfg, dataset, split="val")
         model = build_model(cfg)
-        load_weights(model, args.weights, strict=True)
+        load_model_weights(model, args.weights)
         model.to(info.device)
         evaluate(model, dataset, cfg, output_dir=args.output_dir)
         if info.rank == 0 and args.output_dir:

@@ -31,7 +31,8 @@ from detector.messages import first_line  # noqa: E402
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML config of the model")
-    p.add_argument("--weights", required=True, help="checkpoint or state dict")
+    p.add_argument("--weights", required=True, help="checkpoint or state dict, or a torchvision weights name such as "
+                   "FasterRCNN_ResNet50_FPN_Weights.COCO_V1")
     p.add_argument("--input", required=True, help="an image file or a folder of images")
     p.add_argument("--output-dir", required=True, help="where to write annotated images and detections.json")
     p.add_argument("--score-thresh", type=float, default=0.5, help="draw detections with score >= this (default 0.5)")
@@ -68,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         from detector.data.transforms import build_transforms
-        from detector.modeling.weights import load_weights
+        from detector.modeling.weights import load_model_weights
         from detector.distributed import resolve_device
         from detector.evaluation.predict import list_images, predict_files
         from detector.evaluation.scoring import write_json
@@ -78,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         paths = list_images(args.input)
         device = resolve_device(cfg.train.device)
         model = build_model(cfg)
-        load_weights(model, args.weights, strict=True)
+        load_model_weights(model, args.weights)
         model.to(device).eval()
         records, skipped = predict_files(
             model,

@@ -286,6 +286,21 @@ def load_weights(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, 
 # --------------------------------------------------------------------------- initial weights
 
 
+def load_model_weights(model: nn.Module, source: str, key: str = "--weights") -> LoadReport:
+    """Strict load for evaluation and inference: ``source`` is a local file (a training
+    checkpoint or a state dict) or a torchvision weights name such as
+    ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` (downloaded once to torch hub's cache;
+    with ``data.label_space: category_id`` its labels are COCO's category ids).
+
+    Raises:
+        WeightsError: as ``load_weights`` and ``torchvision_state_dict``; one line naming ``key``.
+    """
+    if Path(source).expanduser().exists() or not _looks_like_torchvision_weights(source):
+        return load_weights(model, source, strict=True)
+    state = torchvision_state_dict(source, key=key, instead="pass the downloaded file")
+    return load_weights(model, state, strict=True, name=f"torchvision {source}")
+
+
 def _looks_like_torchvision_weights(source: str) -> bool:
     head, dot, tail = source.partition(".")
     return bool(dot) and head.endswith("_Weights") and tail.isidentifier() and "/" not in source
