@@ -295,10 +295,23 @@ def load_model_weights(model: nn.Module, source: str, key: str = "--weights") ->
     Raises:
         WeightsError: as ``load_weights`` and ``torchvision_state_dict``; one line naming ``key``.
     """
-    if Path(source).expanduser().exists() or not _looks_like_torchvision_weights(source):
+    found = _weights_source(source, key=key, instead="pass the downloaded file")
+    if found is None:  # neither a file nor a name: the file loader says the file is missing
         return load_weights(model, source, strict=True)
-    state = torchvision_state_dict(source, key=key, instead="pass the downloaded file")
-    return load_weights(model, state, strict=True, name=f"torchvision {source}")
+    data, what = found
+    return load_weights(model, data, strict=True, name=what)
+
+
+def _weights_source(source: str, key: str, instead: str) -> Optional[Tuple[Union[Path, Dict[str, Tensor]], str]]:
+    """``(what load_weights takes, its name for messages)`` for an existing file (its
+    path) or a torchvision weights name (its state dict, downloaded once; see
+    ``torchvision_state_dict`` for ``key`` and ``instead``); None for anything else."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return path, str(path)
+    if _looks_like_torchvision_weights(source):
+        return torchvision_state_dict(source, key=key, instead=instead), f"torchvision {source}"
+    return None
 
 
 def _looks_like_torchvision_weights(source: str) -> bool:
@@ -344,25 +357,17 @@ def load_initial_weights(model: nn.Module, source: str) -> LoadReport:
             download that failed (offline), or weights that do not fit; one line
             starting with ``model.weights:``.
     """
-    path = Path(source).expanduser()
-    if path.exists():
-        try:
-            report = load_weights(model, path)
-        except WeightsError as exc:
-            raise WeightsError(f"model.weights: {exc}") from None
-        what = str(path)
-    elif _looks_like_torchvision_weights(source):
-        state = torchvision_state_dict(source)
-        what = f"torchvision {source}"
-        try:
-            report = load_weights(model, state, name=what)
-        except WeightsError as exc:
-            raise WeightsError(f"model.weights: {exc}") from None
-    else:
+    found = _weights_source(source, key="model.weights", instead="pass a local path")
+    if found is None:
         raise WeightsError(
             f"model.weights: {source!r} is neither an existing file nor a torchvision weights name "
             "like 'FasterRCNN_ResNet50_FPN_Weights.COCO_V1'"
         )
+    data, what = found
+    try:
+        report = load_weights(model, data, name=what)
+    except WeightsError as exc:
+        raise WeightsError(f"model.weights: {exc}") from None
     logger.info(
         "initial weights from %s: %d tensors loaded; skipped (fresh init): %s; missing: %s; unexpected: %s",
         what, len(report.loaded), report.skipped or "none", report.missing or "none", report.unexpected or "none",
