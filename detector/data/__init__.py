@@ -165,16 +165,25 @@ def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, sp
     if data.format == "voc":
         return len(VOC_CLASSES), "VOC's 20 classes"
     if data.format == "shapes":
-        from .shapes import CLASS_NAMES  # as in build_dataset
-
-        return len(CLASS_NAMES), "the shapes' classes"
+        return len(_shapes_class_names()), "the shapes' classes"
     check_data_paths(cfg, split)
     ann_file = getattr(data, split).ann_file
+    return len(_categories_of(ann_file)), f"the categories of {ann_file}"
+
+
+def _shapes_class_names() -> List[str]:
+    from .shapes import CLASS_NAMES  # as in build_dataset
+
+    return list(CLASS_NAMES)
+
+
+def _categories_of(ann_file: str) -> list:
+    """The ``categories`` list of a COCO-format JSON (entries unchecked), or ``DataError``."""
     content = read_json(ann_file)
     categories = content.get("categories") if isinstance(content, dict) else None
     if not isinstance(categories, list):
         raise DataError(f"annotation file {ann_file}: missing or malformed top-level key 'categories'")
-    return len(categories), f"the categories of {ann_file}"
+    return categories
 
 
 def category_id_class_names(cfg: Config, split: str = "train") -> Tuple[List[str], str]:
@@ -183,16 +192,13 @@ def category_id_class_names(cfg: Config, split: str = "train") -> Tuple[List[str
     of ``data.class_names``), ``unused_<id>`` for the others (see ``coco_label_map``);
     and where they come from (for messages). Reads COCO's ``data.<split>.ann_file``."""
     data = cfg.data
-    if data.format == "shapes":
-        from .shapes import CLASS_NAMES  # as in build_dataset; the shapes' ids are 1..3 in this order
-
-        names_by_id = {i + 1: name for i, name in enumerate(CLASS_NAMES)}
+    if data.format == "shapes":  # the shapes' ids are 1..3 in the order of their names
+        names_by_id = {i + 1: name for i, name in enumerate(_shapes_class_names())}
         source = "the shapes' category ids"
     else:
         source = getattr(data, split).ann_file
-        content = read_json(source)
-        categories = content.get("categories") if isinstance(content, dict) else None
-        if not isinstance(categories, list) or not all(isinstance(c, dict) and "id" in c for c in categories):
+        categories = _categories_of(source)
+        if not all(isinstance(c, dict) and "id" in c for c in categories):
             raise DataError(f"annotation file {source}: missing or malformed top-level key 'categories'")
         names_by_id = {c["id"]: str(c.get("name", c["id"])) for c in sorted(categories, key=lambda c: c["id"])}
     names, _, _ = coco_label_map(names_by_id, list(data.class_names) or None, "category_id", source)
