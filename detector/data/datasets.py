@@ -555,9 +555,8 @@ def _coco_annotations(
             issues.error(f"{where} appears twice")
             continue
         ann_ids.add(ann["id"])
-        if ann.get("image_id") not in anns_by_image:
-            if ann.get("image_id") not in seen:
-                issues.error(f"{where}: image_id {ann.get('image_id')!r} is not in 'images'")
+        if ann.get("image_id") not in seen:  # the keys of anns_by_image
+            issues.error(f"{where}: image_id {ann.get('image_id')!r} is not in 'images'")
             continue
         if ann.get("category_id") not in category_id_to_label:
             if ann.get("category_id") in names_by_id:  # a category left out of data.class_names

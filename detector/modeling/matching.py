@@ -43,18 +43,18 @@ def pad_rows(rows: Sequence[Tensor], count: int, value: float) -> Tensor:
     return pad_sequence([*rows, filler], batch_first=True, padding_value=value)[:-1]
 
 
-def pad_boxes(boxes: Sequence[Tensor], min_count: int = 1) -> Tuple[Tensor, Tensor]:
+def pad_boxes(boxes: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
     """Stack per-image boxes into one padded tensor.
 
     Args:
         boxes: per image ``[G_i, 4]`` finite boxes (``G_i`` may be 0), on one device.
-        min_count: pad to at least this many boxes per image.
 
     Returns:
-        ``[B, G, 4]`` boxes (``G = max(max_i G_i, min_count)``; padding slots hold
-        ``PAD_BOX``) and ``[B, G]`` bool, True on real boxes.
+        ``[B, G, 4]`` boxes (``G = max(max_i G_i, 1)``: at least one slot, so that a batch
+        without boxes still has a ground-truth axis; padding slots hold ``PAD_BOX``) and
+        ``[B, G]`` bool, True on real boxes.
     """
-    count = max([int(b.shape[0]) for b in boxes] + [min_count])
+    count = max([int(b.shape[0]) for b in boxes] + [1])
     padded = pad_rows(boxes, count, float("nan"))  # NaN marks the padding: real boxes are finite
     real = ~torch.isnan(padded[..., 0])
     return torch.where(real[..., None], padded, padded.new_tensor(PAD_BOX)), real
@@ -105,8 +105,7 @@ def match_by_iou(
     """
     batched = gt_boxes.dim() == 3
     if not batched:
-        gt_boxes = gt_boxes[None]
-        boxes = boxes if boxes.dim() == 2 else boxes[None]
+        gt_boxes = gt_boxes[None]  # one image; its [N, 4] boxes are the shared form
     num_images, num = gt_boxes.shape[0], boxes.shape[-2]
     if gt_boxes.shape[1] == 0:
         max_iou = boxes.new_zeros(num_images, num)
