@@ -4,6 +4,7 @@ tiny-model test config (``tests/configs/tiny.yaml``) with its helpers."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +23,21 @@ REAL_DATA = ROOT.parent / "shared" / "data" / "real"
 TINY_CONFIG = ROOT / "tests" / "configs" / "tiny.yaml"
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+@pytest.fixture(autouse=True)
+def _detach_log_handlers():
+    """After each test, the console and file handlers ``setup_logging`` attached (a tool
+    run in-process calls it): the console one holds this test's captured stdout, which
+    pytest closes, and a later test that logs without calling ``setup_logging`` again
+    (``tools/infer.py``) would print a logging error into its own output."""
+    yield
+    for name in ("detector", "py.warnings"):
+        log = logging.getLogger(name)
+        for handler in list(log.handlers):
+            if getattr(handler, "_detector_handler", False):
+                log.removeHandler(handler)
+                handler.close()
 
 
 def load_tool(name: str) -> ModuleType:
