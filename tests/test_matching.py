@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torchvision.ops import box_iou
 
 from detector.modeling.box_coder import BoxCoder
+from detector.modeling import matching
 from detector.modeling.matching import (IGNORE, PAD_BOX, box_iou_batched, match_by_iou, pad_boxes,
                                         sample_minibatch)
 from detector.modeling.losses import weighted_smooth_l1
@@ -62,6 +63,25 @@ def test_batched_matching_equals_per_image(low_quality):
         assert torch.equal(matched[i], exp_matched)
     assert (labels[1] == 0).all()  # no ground truth: all background
     assert (labels[0] == 1).any() and (labels[2] == 1).any()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_matching_in_image_groups_equals_one_group(monkeypatch, shared):
+    """A batch whose IoU exceeds MATCH_CHUNK_ELEMENTS is matched a few images at a time
+    (bounded memory), with the same results as all images at once."""
+    gt = per_image_boxes([3, 0, 6, 1, 5], seed=5)
+    anchors = per_image_boxes([120], seed=6)[0]
+    boxes = anchors if shared else torch.stack([anchors + i for i in range(len(gt))])
+    padded, real = pad_boxes(gt)
+    whole = match_by_iou(padded, boxes, 0.7, 0.0, 0.3, True, gt_valid=real)
+    calls = []
+    real_iou = matching.box_iou_batched
+    monkeypatch.setattr(matching, "box_iou_batched", lambda a, b: calls.append(len(a)) or real_iou(a, b))
+    monkeypatch.setattr(matching, "MATCH_CHUNK_ELEMENTS", 2 * 6 * 120)  # two images of 6 boxes x 120
+    grouped = match_by_iou(padded, boxes, 0.7, 0.0, 0.3, True, gt_valid=real)
+    assert calls == [2, 2, 1]
+    for a, b in zip(whole, grouped):
+        assert torch.equal(a, b)
 
 
 def test_batched_sampler_samples_each_row_on_its_own():

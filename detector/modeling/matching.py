@@ -33,6 +33,10 @@ IGNORE = -1
 # against it stays finite (its results always carry zero weight).
 PAD_BOX = (0.0, 0.0, 1.0, 1.0)
 
+# match_by_iou's IoU is computed for groups of images of at most this many
+# (image, ground truth, box) triples: three float32 buffers of 256 MiB at most.
+MATCH_CHUNK_ELEMENTS = 1 << 26
+
 
 def pad_rows(rows: Sequence[Tensor], count: int, value: float) -> Tensor:
     """Per image ``[n_i, ...]`` -> ``[B, count, ...]``, padded with ``value``
@@ -62,18 +66,24 @@ def pad_boxes(boxes: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
 
 def box_iou_batched(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     """IoU of ``[B, G, 4]`` and ``[B, M, 4]`` (or ``[M, 4]``, shared) x1y1x2y2 boxes ->
-    ``[B, G, M]``. The arithmetic of ``torchvision.ops.box_iou`` (the same values,
-    elementwise), one coordinate at a time so that no ``[B, G, M, 2]`` tensor is made."""
+    ``[B, G, M]``, without a gradient (matching needs none).
+
+    The arithmetic of ``torchvision.ops.box_iou``: the same values, elementwise. It is
+    computed one coordinate at a time and in place, so that at most three ``[B, G, M]``
+    float tensors exist at once, the result included (``box_iou`` makes ``[G, M, 2]``
+    ones)."""
     if boxes2.dim() == 2:
         boxes2 = boxes2[None]
-    x1a, y1a, x2a, y2a = (c[:, :, None] for c in boxes1.unbind(-1))
-    x1b, y1b, x2b, y2b = (c[:, None, :] for c in boxes2.unbind(-1))
-    area1 = (x2a - x1a) * (y2a - y1a)
-    area2 = (x2b - x1b) * (y2b - y1b)
-    inter_w = (torch.minimum(x2a, x2b) - torch.maximum(x1a, x1b)).clamp(min=0)
-    inter_h = (torch.minimum(y2a, y2b) - torch.maximum(y1a, y1b)).clamp(min=0)
-    inter = inter_w * inter_h
-    return inter / (area1 + area2 - inter)
+    with torch.no_grad():
+        x1a, y1a, x2a, y2a = (c[:, :, None] for c in boxes1.unbind(-1))
+        x1b, y1b, x2b, y2b = (c[:, None, :] for c in boxes2.unbind(-1))
+        area1 = (x2a - x1a) * (y2a - y1a)  # [B, G, 1]
+        area2 = (x2b - x1b) * (y2b - y1b)  # [B, 1, M]
+        inter = torch.minimum(x2a, x2b).sub_(torch.maximum(x1a, x1b)).clamp_(min=0)  # width
+        height = torch.minimum(y2a, y2b).sub_(torch.maximum(y1a, y1b)).clamp_(min=0)
+        inter.mul_(height)
+        union = torch.add(area1, area2, out=height).sub_(inter)
+        return inter.div_(union)
 
 
 def match_by_iou(
@@ -110,23 +120,44 @@ def match_by_iou(
     if gt_boxes.shape[1] == 0:
         max_iou = boxes.new_zeros(num_images, num)
         matched_idx = torch.zeros(num_images, num, dtype=torch.int64, device=boxes.device)
-        iou = None
+        is_best = None
     else:
-        iou = box_iou_batched(gt_boxes, boxes)  # [B, G, N]
-        if gt_valid is not None:
-            iou = torch.where(gt_valid[:, :, None], iou, 0.0)
-        # Ties keep the first ground truth, as in the per-image form.
-        max_iou, matched_idx = iou.max(dim=1)
+        # Images in groups whose [b, G, N] IoU stays within MATCH_CHUNK_ELEMENTS: one group
+        # for the usual batches, bounded memory for many images with many boxes.
+        step = max(1, MATCH_CHUNK_ELEMENTS // (gt_boxes.shape[1] * max(num, 1)))
+        parts = [_best_matches(gt_boxes[i:i + step], boxes if boxes.dim() == 2 else boxes[i:i + step],
+                               None if gt_valid is None else gt_valid[i:i + step], allow_low_quality)
+                 for i in range(0, num_images, step)]
+        max_iou, matched_idx, is_best = (_cat_groups(list(t)) for t in zip(*parts))
     labels = torch.full((num_images, num), IGNORE, dtype=torch.int64, device=boxes.device)
     labels = torch.where((max_iou >= bg_lo) & (max_iou < bg_hi), BACKGROUND, labels)
     labels = torch.where(max_iou >= fg_thresh, FOREGROUND, labels)
-    if allow_low_quality and iou is not None:
-        best_per_gt = iou.max(dim=2, keepdim=True).values  # [B, G, 1]
-        is_best = ((iou == best_per_gt) & (best_per_gt > 0)).any(dim=1)  # [B, N]
+    if is_best is not None:
         labels = torch.where(is_best, FOREGROUND, labels)
     if not batched:
         return labels[0], matched_idx[0], max_iou[0]
     return labels, matched_idx, max_iou
+
+
+def _best_matches(gt_boxes: Tensor, boxes: Tensor, gt_valid: Optional[Tensor],
+                  allow_low_quality: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """For ``[b, G, 4]`` ground truth (G > 0) and ``[N, 4]`` or ``[b, N, 4]`` boxes: the best
+    IoU ``[b, N]``, its ground-truth index ``[b, N]`` and, with ``allow_low_quality``, the
+    ``[b, N]`` bool mask of boxes that are some ground truth's best (IoU > 0)."""
+    iou = box_iou_batched(gt_boxes, boxes)  # [b, G, N]
+    if gt_valid is not None:
+        iou.masked_fill_(~gt_valid[:, :, None], 0.0)
+    # Ties keep the first ground truth, as in the per-image form.
+    max_iou, matched_idx = iou.max(dim=1)
+    if not allow_low_quality:
+        return max_iou, matched_idx, None
+    best_per_gt = iou.max(dim=2, keepdim=True).values  # [b, G, 1]
+    return max_iou, matched_idx, ((iou == best_per_gt) & (best_per_gt > 0)).any(dim=1)
+
+
+def _cat_groups(groups: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
+    """``_best_matches``' per-group results joined along the image axis (None stays None)."""
+    return groups[0] if len(groups) == 1 or groups[0] is None else torch.cat(groups)
 
 
 class Sample(NamedTuple):

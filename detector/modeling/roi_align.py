@@ -255,7 +255,8 @@ class _MultiLevelRoIAlign(torch.autograd.Function):
 def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
                           scales: Sequence[float], sampling_ratio: int, aligned: bool) -> Tensor:
     """RoIAlign of each RoI on its own level: ``rois`` ``[R, 5]``, ``levels`` ``[R]`` int64
-    index into ``features`` (per level ``[N, C, H_l, W_l]``) and ``scales``.
+    index into ``features`` (per level ``[N, C, H_l, W_l]``) and ``scales``; every level is
+    in ``[0, len(features))`` (``MultiLevelRoIAlign.level_of`` clamps), so every row is written.
 
     On CPU with float32/float64 features, ``sampling_ratio > 0`` and a gradient needed, the
     backward is one sparse product for all levels; otherwise ``roi_align`` level by level.
@@ -269,7 +270,7 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
         return _MultiLevelRoIAlign.apply(rois, levels, tuple(float(s) for s in scales), tuple(output_size),
                                          int(sampling_ratio), bool(aligned), *features)
     needs_grad = torch.is_grad_enabled() and any(f.requires_grad for f in features)
-    out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + tuple(output_size))
+    out = features[0].new_empty((rois.shape[0], features[0].shape[1]) + tuple(output_size))
     for level, (feat, scale) in enumerate(zip(features, scales)):
         idx = torch.where(levels == level)[0]
         if needs_grad:
