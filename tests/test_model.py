@@ -10,7 +10,7 @@ from torchvision.ops import FrozenBatchNorm2d, box_iou
 
 from detector.config import load_config
 from detector.modeling import build_model
-from detector.modeling.backbone import build_resnet_fpn
+from detector.modeling.backbone import build_resnet_fpn, stem_max_pool
 
 LOSS_KEYS = {"loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box"}
 
@@ -179,6 +179,36 @@ def test_backbone_channels_and_strides(name, channels):
     assert [tuple(v.shape[-2:]) for v in out.values()] == [(16, 24), (8, 12), (4, 6), (2, 3), (1, 2)]
     assert all(v.shape[1] == 16 for v in out.values())
     assert bb.strides == [4, 8, 16, 32, 64]
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 7, 9), (1, 2, 8, 8), (1, 1, 1, 1), (1, 1, 2, 3), (2, 4, 33, 50)])
+def test_stem_max_pool_equals_max_pool2d(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    x[0, 0, 0, 0] = float("nan")  # propagates like max_pool2d's
+    x[-1, -1, -1, -1] = float("-inf")
+    x[-1, -1, 0] = -1e30  # all-negative rows: padding must not win
+    out, ref = stem_max_pool(x), torch.nn.functional.max_pool2d(x, 3, 2, 1)
+    assert out.shape == ref.shape
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(out.nan_to_num(0.0), ref.nan_to_num(0.0))
+
+
+def test_backbone_stem_pool_by_views_only_without_gradient(monkeypatch):
+    """The views' pool serves frozen stems and inference; a gradient keeps nn.MaxPool2d
+    (whose backward gives a tie to one element). Outputs equal either way."""
+    torch.manual_seed(0)
+    bb = build_resnet_fpn("resnet18", norm="bn", freeze_at=0, fpn_channels=16).eval()
+    x = torch.randn(2, 3, 64, 96)
+    calls = []
+    monkeypatch.setattr(bb.body.maxpool, "forward", lambda t: calls.append(1) or torch.nn.functional.max_pool2d(t, 3, 2, 1))
+    with torch.no_grad():
+        fast = bb(x)
+    assert calls == []
+    slow = bb(x)  # parameters require a gradient: the module's pool
+    assert calls == [1]
+    for a, b in zip(fast.values(), slow.values()):
+        assert torch.equal(a, b)
 
 
 def test_return_stages_subset():

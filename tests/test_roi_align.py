@@ -105,3 +105,30 @@ def test_threaded_forward_is_torchvisions_bit_for_bit(threads):
             assert torch.equal(pooled[levels == level], ref)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("layout", ["mixed", "one_level", "none"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_no_grad_multi_level_pooling_is_level_by_level(layout, threads):
+    """The no-gradient path groups RoIs by level and runs all levels' pieces on the
+    threads at once: the values are torchvision's op level by level, in RoI order,
+    whether the RoIs spread over the levels, all sit on one, or there are none."""
+    feat, rois = _case(r=MIN_ROIS_PER_THREAD * 3 + 7)
+    feats = [feat.detach(), feat.detach()[:, :, ::2, ::2].contiguous(), feat.detach()[:, :, ::4, ::4].contiguous()]
+    scales = [0.25, 0.125, 0.0625]
+    g = torch.Generator().manual_seed(3)
+    levels = {"mixed": torch.randint(0, 3, (rois.shape[0],), generator=g),
+              "one_level": torch.ones(rois.shape[0], dtype=torch.int64), "none": None}[layout]
+    if levels is None:
+        rois, levels = rois[:0], torch.zeros(0, dtype=torch.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            out = multi_level_roi_align(feats, rois.detach(), levels, (7, 6), scales, 2, False)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (rois.shape[0], feat.shape[1], 7, 6)
+    for level, scale in enumerate(scales):
+        ref = tv_roi_align(feats[level], rois[levels == level].detach(), (7, 6), scale, 2, False)
+        assert torch.equal(out[levels == level], ref)

@@ -230,12 +230,7 @@ class _MultiLevelRoIAlign(torch.autograd.Function):
         ctx.save_for_backward(rois, levels)
         ctx.shapes = [tuple(f.shape) for f in features]
         ctx.params = (scales, pooled, sampling_ratio, aligned)
-        out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + tuple(pooled))
-        for level, (feat, scale) in enumerate(zip(features, scales)):
-            idx = torch.where(levels == level)[0]
-            out.index_put_((idx,), roi_align_forward(feat, rois[idx], scale, pooled[0], pooled[1],
-                                                     sampling_ratio, aligned))
-        return out
+        return pool_by_level(features, rois, levels, scales, pooled, sampling_ratio, aligned)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
@@ -270,13 +265,42 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
         return _MultiLevelRoIAlign.apply(rois, levels, tuple(float(s) for s in scales), tuple(output_size),
                                          int(sampling_ratio), bool(aligned), *features)
     needs_grad = torch.is_grad_enabled() and any(f.requires_grad for f in features)
-    out = features[0].new_empty((rois.shape[0], features[0].shape[1]) + tuple(output_size))
+    if not needs_grad and not torch.jit.is_tracing():
+        return pool_by_level(features, rois, levels, scales, output_size, sampling_ratio, aligned)
+    # With autograd (off the CPU), or traced (the level split must stay in the graph).
+    out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + tuple(output_size))
     for level, (feat, scale) in enumerate(zip(features, scales)):
         idx = torch.where(levels == level)[0]
-        if needs_grad:
-            pooled = roi_align(feat, rois[idx], output_size, scale, sampling_ratio, aligned)
-        else:
-            pooled = roi_align_forward(feat, rois[idx].to(feat.dtype), scale, int(output_size[0]), int(output_size[1]),
-                                       int(sampling_ratio), bool(aligned))
+        pooled = roi_align(feat, rois[idx].to(feat.dtype), output_size, scale, sampling_ratio, aligned)
         out.index_put_((idx,), pooled.to(out.dtype))  # not out[idx] = ...: traced, that bakes in len(idx) == 1
     return out
+
+
+def pool_by_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, scales: Sequence[float],
+                  output_size: Tuple[int, int], sampling_ratio: int, aligned: bool) -> Tensor:
+    """``multi_level_roi_align``'s values without autograd: ``[R, 5]`` rois, ``[R]`` levels
+    -> ``[R, C, PH, PW]`` in the dtype of ``features[0]``.
+
+    The RoIs are grouped by level with a stable sort (one host read: the per-level
+    counts). Every piece of torchvision's kernel, a chunk of one level's RoIs, runs on
+    ``cpu_threads`` at once, so that the threads share all levels' work; the pieces go
+    back to RoI order with one ``index_copy_``, or none when one level holds every RoI.
+    Not for tracing: the counts would be baked in."""
+    ph, pw = int(output_size[0]), int(output_size[1])
+    device, dtype = features[0].device, features[0].dtype
+    order = torch.argsort(levels, stable=True)
+    counts = torch.bincount(levels, minlength=len(features)).tolist()
+    pieces = []
+    for level, group in enumerate(rois[order].split(counts)):
+        if group.shape[0]:
+            chunks = group.chunk(worker_count(device, group.shape[0] // MIN_ROIS_PER_THREAD))
+            pieces += [(level, chunk.to(features[level].dtype)) for chunk in chunks]
+    parts = map_no_grad(lambda piece: torch.ops.torchvision.roi_align(
+        features[piece[0]], piece[1], float(scales[piece[0]]), ph, pw, int(sampling_ratio), bool(aligned)),
+        pieces, device)
+    if not parts:
+        return features[0].new_zeros((0, features[0].shape[1], ph, pw))
+    pooled = torch.cat([part.to(dtype) for part in parts]) if len(parts) > 1 else parts[0].to(dtype)
+    if max(counts) == rois.shape[0]:  # one level: the stable sort kept RoI order
+        return pooled
+    return torch.empty_like(pooled).index_copy_(0, order, pooled)
