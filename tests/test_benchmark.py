@@ -13,7 +13,7 @@ import torch
 
 from detector.config import load_config
 from detector.benchmark import run_benchmark
-from detector.benchmark.profiling import profile_train_step
+from detector.benchmark.profiling import DENSE_OPS, profile_train_step
 from detector.benchmark.memory import measure_command_memory, peak_memory_bytes, reset_peak_memory
 from detector.benchmark.tasks import benchmark_eval
 from detector.benchmark.timing import summarize_times
@@ -184,9 +184,15 @@ def test_op_counts_include_the_work_on_helper_threads(tiny_cfg, restore_threads)
     counts = []
     for threads in (2, 1):
         torch.set_num_threads(threads)
-        counts.append(profile_train_step(cfg, warmup=1)["counts"])
+        prof = profile_train_step(cfg, warmup=1, row_limit=1000)
+        counts.append(prof["counts"])
     assert counts[0] == counts[1]
     assert torch.get_num_threads() == 1  # restored to the caller's setting
+    # dense_share: the convolution and linear kernels' share of the step's self time.
+    dense = sum(op["self_share"] for op in prof["top_ops"] if op["name"] in DENSE_OPS)
+    assert any(op["name"] == "aten::mkldnn_convolution" for op in prof["top_ops"])
+    assert 0.0 < prof["dense_share"] < 1.0
+    assert prof["dense_share"] == pytest.approx(dense, abs=2e-3)  # every row: the same sum, rounded
 
 
 def test_data_task_json(tmp_path):
@@ -222,3 +228,26 @@ def test_count_ops_json(tmp_path, restore_threads):
     assert "profile" not in result  # --count-ops alone keeps the JSON small
     with pytest.raises(ValueError, match="--count-ops applies to --task train"):
         run_benchmark(load_config(None), "infer", count_ops=True)
+
+
+def test_infer_profile_json(tmp_path, restore_threads, capsys):
+    """--profile also profiles one inference batch, for both models, with the share of
+    the step in convolution and linear kernels (and the bound it puts on the ratio)."""
+    out = tmp_path / "prof.json"
+    rc = load_tool("benchmark").main([
+        "--config", str(TINY), "--task", "infer", "--iters", "1", "--warmup", "1", "--num-batches", "2",
+        "--compare-torchvision", "--profile", "--threads", "1", "--json", str(out), "train.device=cpu",
+        f"data.train.root={tmp_path / 'shapes'}", f"data.val.root={tmp_path / 'shapes'}",
+        "data.shapes.num_train=4", "data.shapes.num_val=2", "eval.images_per_gpu=2",
+    ])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert set(result["profile"]) == {"ours", "torchvision"}
+    for prof in result["profile"].values():
+        names = [op["name"] for op in prof["top_ops"]]
+        assert "aten::mkldnn_convolution" in names or "aten::_slow_conv2d_forward" in names
+        assert not any("backward" in n for n in names)  # inference: no backward pass
+        assert 0.0 < prof["dense_share"] < 1.0
+    assert "one inference batch" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--profile applies to --task train or infer"):
+        run_benchmark(load_config(None), "data", profile=True)

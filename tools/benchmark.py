@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-loader", action="store_true", help="train: skip the run fed by the real loader")
     p.add_argument("--synthetic", action="store_true", help="random batches at the input size, not the data set")
     p.add_argument("--num-batches", type=int, default=4, help="distinct batches cached in memory (default 4)")
-    p.add_argument("--profile", action="store_true", help="train: torch.profiler summary of one step")
+    p.add_argument("--profile", action="store_true", help="train/infer: torch.profiler summary of one step or batch")
     p.add_argument("--count-ops", action="store_true",
                    help="train: aten ops and host syncs per step, ours and torchvision's (torch.profiler)")
     p.add_argument("--torchvision-options", action="store_true",

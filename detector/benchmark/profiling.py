@@ -1,4 +1,4 @@
-"""``torch.profiler`` summary of one training step."""
+"""``torch.profiler`` summary of one training step or inference batch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from detector.config import Config
 from detector.distributed import resolve_device
 
 from .batches import cached_batches
-from .steps import build_ours, build_train_optimizer, make_train_step, make_ours_train_step
+from .steps import (apply_speed_options, build_ours, build_train_optimizer, make_infer_step, make_ours_train_step,
+                    make_train_step)
 from .timing import synchronize
 from .torchvision_ref import build_torchvision_model
 
@@ -22,6 +23,13 @@ from .torchvision_ref import build_torchvision_model
 # ``cudaStreamSynchronize``. The benchmark's own ``torch.cuda.synchronize`` after the
 # step is a ``cudaDeviceSynchronize`` and is not counted.
 SYNC_EVENTS = ("aten::_local_scalar_dense", "cudaStreamSynchronize")
+
+# The dense kernels of convolutions and linear layers, forward and backward. Both models
+# run the same ones (same layers, same shapes), so their share of torchvision's step
+# bounds any speed-up from everything else: ours / torchvision <= 1 / dense_share.
+DENSE_OPS = ("aten::mkldnn_convolution", "aten::cudnn_convolution", "aten::convolution_backward",
+             "aten::_slow_conv2d_forward", "aten::_slow_conv2d_backward", "aten::thnn_conv2d",
+             "aten::cudnn_convolution_transpose", "aten::mm", "aten::addmm", "aten::bmm")
 
 
 def count_ops(events: Any) -> Dict[str, int]:
@@ -41,40 +49,48 @@ def profile_train_step(
     synthetic: bool = False,
     torchvision_model: bool = False,
     trace_path: Optional[str] = None,
+    task: str = "train",
 ) -> Dict[str, Any]:
-    """``torch.profiler`` over one training step after ``warmup`` steps.
+    """``torch.profiler`` over one training step (``task="train"``) or one inference
+    batch (``"infer"``, as ``--task infer`` runs it) after ``warmup`` of them.
 
     Returns ``top_ops``: the ``row_limit`` operators with the largest self time (CPU,
     or CUDA on a GPU) as dicts (name, self/total time in ms, calls, share of the step),
-    ``counts`` (:func:`count_ops`) and ``table``: the profiler's own text table.
-    On the CPU the step runs on one intra-op thread (see the body), so its times are
-    one core's.
+    ``counts`` (:func:`count_ops`), ``dense_share``: the share of the step's self time in
+    ``DENSE_OPS``, and ``table``: the profiler's own text table.
+
+    On the CPU both models' steps run on one intra-op thread (see the body), so the
+    times are one core's. (Even torchvision's operator count depends on the thread
+    count, so both are counted at the same setting.)
     """
 
     device = resolve_device(cfg.train.device)
     if device.type != "cpu":
-        return _profile_train_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path)
-    # The profiler records the calling thread only; on the CPU the model runs some
+        return _profile_train_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path, task)
+    # The profiler records the calling thread only; on the CPU our model runs some
     # per-image work on helper threads (detector.modeling.cpu_threads), which one
     # intra-op thread keeps in the caller: the same operators, all of them counted.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _profile_train_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path)
+        return _profile_train_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path, task)
     finally:
         torch.set_num_threads(threads)
 
 
 def _profile_train_step(cfg: Config, device: torch.device, warmup: int, row_limit: int, synthetic: bool,
-                        torchvision_model: bool, trace_path: Optional[str]) -> Dict[str, Any]:
+                        torchvision_model: bool, trace_path: Optional[str], task: str) -> Dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
-    batches = cached_batches(cfg, True, 2, synthetic, pin=device.type == "cuda")
-    if torchvision_model:
-        model = build_torchvision_model(cfg).to(device)
+    batches = cached_batches(cfg, task == "train", 2, synthetic, pin=device.type == "cuda")
+    model = build_torchvision_model(cfg).to(device) if torchvision_model else build_ours(cfg, device)
+    if task == "infer":
+        model = model if torchvision_model else apply_speed_options(model, cfg, device)
+        step = make_infer_step(model.eval(), cfg, device, torchvision_model)
+    elif torchvision_model:
         model.train()
         step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device, True)
     else:
-        step, _ = make_ours_train_step(build_ours(cfg, device), cfg, device)
+        step, _ = make_ours_train_step(model, cfg, device)
     for i in range(warmup):
         step(batches[i % len(batches)])
     synchronize(device)
@@ -104,5 +120,6 @@ def _profile_train_step(cfg: Config, device: torch.device, warmup: int, row_limi
         "step_self_ms": round(total / 1000.0, 3),
         "top_ops": top,
         "counts": count_ops(events),
+        "dense_share": round(sum(getattr(e, attr) for e in events if e.key in DENSE_OPS) / total, 4),
         "table": events.table(sort_by=sort_key, row_limit=row_limit),
     }

@@ -71,7 +71,8 @@ def run_benchmark(
         compare_torchvision: also time torchvision's FasterRCNN (train/infer).
         synthetic: random batches at the input size instead of the configured data.
         num_batches: distinct batches cached in memory and cycled through.
-        profile: add a ``torch.profiler`` summary of one training step (train only).
+        profile: add a ``torch.profiler`` summary of one training step or inference batch
+            (train or infer), ours and, with ``compare_torchvision``, torchvision's.
         torchvision_options: give torchvision's model our ``train.*`` speed options too
             (default: torchvision as it comes).
         threads: ``torch.set_num_threads`` (0: leave PyTorch's default).
@@ -88,7 +89,7 @@ def run_benchmark(
     ``memory_kind``, ``times_s``) and, when compared, ``ratio`` (ours / torchvision,
     images per second).
     """
-    _check_arguments(task, iters, warmup, count_ops, compare_torchvision, threads)
+    _check_arguments(task, iters, warmup, profile, count_ops, compare_torchvision, threads)
     if threads:
         torch.set_num_threads(threads)
     device = resolve_device(cfg.train.device) if task in ("train", "infer", "tta", "scaling") else torch.device("cpu")
@@ -114,8 +115,8 @@ def run_benchmark(
         )
         if task == "train" and loader and not synthetic:
             result["runs"].update(benchmark_train_loader(cfg, iters, warmup)["runs"])
-        if task == "train" and (profile or count_ops):
-            result.update(_train_profiles(cfg, synthetic, profile, count_ops, compare_torchvision))
+        if profile or count_ops:
+            result.update(_profiles(cfg, task, synthetic, profile, count_ops, compare_torchvision))
     elif task == "data":
         result.update(benchmark_data(cfg, iters, warmup))
     elif task == "memory":
@@ -138,7 +139,7 @@ def run_benchmark(
     return result
 
 
-def _check_arguments(task: str, iters: int, warmup: int, count_ops: bool, compare_torchvision: bool,
+def _check_arguments(task: str, iters: int, warmup: int, profile: bool, count_ops: bool, compare_torchvision: bool,
                      threads: int) -> None:
     """``ValueError`` naming the option for arguments that do not fit together."""
     if task not in TASKS:
@@ -147,6 +148,8 @@ def _check_arguments(task: str, iters: int, warmup: int, count_ops: bool, compar
         raise ValueError(f"--iters must be >= 1, got {iters}")
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    if profile and task not in ("train", "infer"):
+        raise ValueError(f"--profile applies to --task train or infer, not {task!r}")
     if count_ops and task != "train":
         raise ValueError(f"--count-ops applies to --task train, not {task!r}")
     if compare_torchvision and task not in ("train", "infer"):
@@ -167,13 +170,13 @@ def _speed_options(cfg: Config, device: torch.device) -> Dict[str, Any]:
     }
 
 
-def _train_profiles(cfg: Config, synthetic: bool, profile: bool, count_ops: bool,
+def _profiles(cfg: Config, task: str, synthetic: bool, profile: bool, count_ops: bool,
                     compare_torchvision: bool) -> Dict[str, Any]:
     """``profile`` (per model: :func:`profile_train_step`) and/or the ``--count-ops``
     fields (``ops_per_step``, ``host_syncs_per_step``, ``nonzero_per_step``)."""
-    profiles = {"ours": profile_train_step(cfg, synthetic=synthetic)}
+    profiles = {"ours": profile_train_step(cfg, synthetic=synthetic, task=task)}
     if compare_torchvision or count_ops:
-        profiles["torchvision"] = profile_train_step(cfg, synthetic=synthetic, torchvision_model=True)
+        profiles["torchvision"] = profile_train_step(cfg, synthetic=synthetic, torchvision_model=True, task=task)
     out: Dict[str, Any] = {}
     if profile:
         out["profile"] = profiles
@@ -221,7 +224,11 @@ def format_summary(result: Dict[str, Any]) -> str:
     if "scaling" in result:
         lines.append(format_scaling(result))
     for name, prof in (result.get("profile") or {}).items():
-        lines.append(f"  profile ({name}), one training step, top operators by self time:")
+        lines.append(f"  profile ({name}), one {'training step' if result['task'] == 'train' else 'inference batch'}, "
+                     "top operators by self time:")
         for op in prof["top_ops"]:
             lines.append(f"    {op['name']:<45s} {op['self_ms']:9.2f} ms  {op['self_share'] * 100:5.1f}%  x{op['calls']}")
+        lines.append(f"    convolution and linear kernels: {prof['dense_share'] * 100:.1f}% of the step"
+                     + (f" (bounds ours / torchvision at {1 / prof['dense_share']:.2f}x)"
+                        if name == "torchvision" and prof["dense_share"] > 0 else ""))
     return "\n".join(lines)
