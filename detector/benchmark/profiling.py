@@ -88,7 +88,7 @@ def _profile_train_step(cfg: Config, device: torch.device, warmup: int, row_limi
         step = make_infer_step(model.eval(), cfg, device, torchvision_model)
     elif torchvision_model:
         model.train()
-        step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device, True)
+        step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device)
     else:
         step, _ = make_ours_train_step(model, cfg, device)
     for i in range(warmup):

@@ -4,12 +4,13 @@ its references/detection loop runs it, and an inference batch."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from detector.config import Config, resolve_amp
+from detector.config import AmpSettings, Config, resolve_amp
 from detector.engine.optim import build_lr_scheduler, build_optimizer
 from detector.engine.setup import apply_speed_options as engine_speed_options, configure_torch, prepare_model
 from detector.engine.step import TrainStep
@@ -30,13 +31,6 @@ def apply_speed_options(model: nn.Module, cfg: Config, device: torch.device) -> 
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = bool(cfg.train.cudnn_benchmark)
     return engine_speed_options(model, cfg)
-
-
-def _autocast(cfg: Config, device: torch.device):
-    amp = resolve_amp(cfg.train.amp, device)
-    if not amp.enabled:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=amp.dtype)
 
 
 def build_train_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -61,46 +55,45 @@ def _tv_images(images: Sequence[torch.Tensor], device: torch.device) -> List[tor
     return [img.to(device, non_blocking=True).float().div_(255.0) for img in images]
 
 
-def make_train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    cfg: Config,
-    device: torch.device,
-    torchvision_api: bool,
-) -> Callable[[Batch], Dict[str, torch.Tensor]]:
-    """One training step: forward (autocast as ``train.amp`` resolves on ``device``), sum of losses,
-    backward, optimizer step, ``zero_grad(set_to_none=True)``. No host sync.
+def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: List[torch.Tensor],
+                   targets: List[Dict[str, Any]], amp: AmpSettings, scaler: Optional[torch.amp.GradScaler],
+                   device: torch.device) -> float:
+    """One iteration of torchvision's references/detection ``engine.train_one_epoch``:
+    the forward under autocast (``amp``), the sum of the losses, its value read back
+    (the reference's per-iteration ``losses_reduced.item()``) and, unless it is not
+    finite (the reference exits there, before the backward pass), ``zero_grad``,
+    backward and the optimizer step (through ``scaler`` for float16).
 
-    ``torchvision_api``: convert the uint8 images to float 0..1 on the device and move
-    the targets first (torchvision's convention); ours takes uint8 host tensors as they
-    come from the loader and moves them itself.
-    """
-    scaler = None
-    if resolve_amp(cfg.train.amp, device).uses_scaler:
-        scaler = torch.amp.GradScaler(device.type)
+    ``images`` and ``targets`` are as the model takes them. Returns the loss value."""
+    autocast = torch.autocast(device.type, dtype=amp.dtype) if amp.enabled else contextlib.nullcontext()
+    with autocast:
+        losses = sum(model(images, targets).values())
+    loss_value = float(losses.detach())
+    if not math.isfinite(loss_value):
+        return loss_value
+    optimizer.zero_grad()
+    if scaler is not None:
+        scaler.scale(losses).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        losses.backward()
+        optimizer.step()
+    return loss_value
 
-    def step(batch: Batch) -> Dict[str, torch.Tensor]:
+
+def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config,
+                    device: torch.device) -> Callable[[Batch], float]:
+    """torchvision's training step on a cached batch: the uint8 images converted to float
+    0..1 and the targets moved to ``device`` (torchvision's input convention), then
+    :func:`reference_step` with autocast as ``train.amp`` resolves on ``device``."""
+    amp = resolve_amp(cfg.train.amp, device)
+    scaler = torch.amp.GradScaler(device.type) if amp.uses_scaler else None
+
+    def step(batch: Batch) -> float:
         images, targets = batch
-        if torchvision_api:
-            images = _tv_images(images, device)
-            targets = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
-            targets = _targets_to(targets, device)
-        with _autocast(cfg, device):
-            losses = model(images, targets)
-        loss = sum(v.float() for v in losses.values())
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if torchvision_api:
-            # torchvision's references/detection/engine.py reads the loss back every
-            # iteration (``loss_value = losses_reduced.item()``) to check it is finite.
-            float(loss.detach())
-        return losses
+        targets = _targets_to([{"boxes": t["boxes"], "labels": t["labels"]} for t in targets], device)
+        return reference_step(model, optimizer, _tv_images(images, device), targets, amp, scaler, device)
 
     return step
 

@@ -4,6 +4,7 @@ fed by the real loader, loader throughput, and COCO scoring."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import logging
 import time
@@ -91,7 +92,7 @@ def benchmark_model(
             out["ours_step"] = "detector.engine.step.TrainStep"
         elif is_train:
             model.train()
-            step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device, tv_api)
+            step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device)
         else:
             model = apply_speed_options(model, cfg, device) if not tv_api else model
             model.eval()
@@ -205,11 +206,9 @@ def benchmark_eval(
         "pycocotools_direct": lambda g, r: np.asarray(pycocotools_direct(g, r))[:12],
         "ours_pycocotools": lambda g, r: twelve(coco_evaluate(g, r, backend="pycocotools").metrics),
     }
-    try:
-        import faster_coco_eval  # noqa: F401
-
+    if importlib.util.find_spec("faster_coco_eval") is not None:  # the optional backend
         scorers["ours_faster"] = lambda g, r: twelve(coco_evaluate(g, r, backend="faster").metrics)
-    except ImportError:
+    else:
         logger.warning("faster-coco-eval is not installed; timing the pycocotools backend only")
     scorers["ours_numpy"] = lambda g, r: twelve(coco_evaluate(g, r, backend="numpy").metrics)
     scorers["ours_all_metrics"] = lambda g, r: twelve(score_detections(g, r, backend=cfg.eval.backend).metrics)

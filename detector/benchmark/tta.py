@@ -44,7 +44,6 @@ uint8 batches), its time reported as ``eval_s``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -56,7 +55,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from detector.config import AmpSettings, Config, resolve_amp
+from detector.config import Config, resolve_amp
 from detector.data import build_dataset, resolve_num_classes
 from detector.data.loader import build_train_loader
 from detector.distributed import resolve_device, seed_everything
@@ -67,6 +66,7 @@ from detector.engine.trainer import Trainer
 from detector.evaluation import evaluate
 
 from .batches import cycle_epochs
+from .steps import reference_step
 from .timing import synchronize
 from .torchvision_ref import build_torchvision_model
 
@@ -221,27 +221,6 @@ def train_ours(cfg: Config, budget_s: float, output_dir: str) -> Tuple[Optional[
     return model, record
 
 
-def _reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: List[Tensor],
-                    targets: List[Dict[str, Any]], amp: AmpSettings, scaler: Optional[torch.amp.GradScaler],
-                    device: torch.device) -> float:
-    """One iteration of ``engine.train_one_epoch``; returns the loss read back."""
-    autocast = torch.autocast(device.type, dtype=amp.dtype) if amp.enabled else contextlib.nullcontext()
-    with autocast:
-        losses = sum(model(images, targets).values())
-    loss_value = float(losses.detach())
-    if not math.isfinite(loss_value):
-        return loss_value  # the reference exits here, before the backward pass
-    optimizer.zero_grad()
-    if scaler is not None:
-        scaler.scale(losses).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        losses.backward()
-        optimizer.step()
-    return loss_value
-
-
 def reference_optimizer(model: nn.Module, cfg: Config, batches_per_epoch: int) -> Tuple[Any, Any, Any, Dict[str, Any]]:
     """The reference's SGD over every trainable parameter, its first-epoch ``LinearLR``
     warm-up and the ``MultiStepLR`` at ``solver.steps`` iterations (see the module
@@ -287,7 +266,7 @@ def train_torchvision(cfg: Config, device: torch.device, budget_s: float) -> Tup
     try:
         while iterations < cfg.solver.max_iter:
             batch_images, targets = next(batches)
-            loss_value = _reference_step(model, optimizer, batch_images, targets, amp, scaler, device)
+            loss_value = reference_step(model, optimizer, batch_images, targets, amp, scaler, device)
             if not math.isfinite(loss_value):
                 deadline.step_done()
                 finite = False
