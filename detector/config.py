@@ -500,6 +500,13 @@ def validate_config(cfg: Config) -> None:
         value = _get(cfg, key)
         if not ok(value):
             raise ConfigError(f"config key '{key}' must be {what}, got {value}")
+    _check_model_keys(cfg)
+    _check_recipe_keys(cfg)
+
+
+def _check_model_keys(cfg: Config) -> None:
+    """``validate_config``'s checks of ``model.*`` (and of ``train.compile_backbone``,
+    which needs fixed canvases)."""
     if cfg.model.num_classes is not None and cfg.model.num_classes < 1:
         raise ConfigError(
             f"config key 'model.num_classes' must be >= 1 (classes without background) or auto, got {cfg.model.num_classes}"
@@ -535,6 +542,10 @@ def validate_config(cfg: Config) -> None:
         flat = [v for level in values for v in level] if key.endswith("sizes") else list(values)
         if not flat or any(v <= 0 for v in flat):
             raise ConfigError(f"config key '{key}' needs positive values, got {values}")
+
+
+def _check_recipe_keys(cfg: Config) -> None:
+    """``validate_config``'s checks of the samplers, data, input and solver keys."""
     for key in ("rpn.positive_fraction", "roi_heads.positive_fraction"):
         if not 0.0 < _get(cfg, key) <= 1.0:
             raise ConfigError(f"config key '{key}' must be in (0, 1], got {_get(cfg, key)}")

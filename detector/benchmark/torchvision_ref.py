@@ -70,12 +70,9 @@ def _no_resize_transform(cfg: Config) -> nn.Module:
     )
 
 
-def build_torchvision_model(cfg: Config) -> nn.Module:
-    """torchvision's ``FasterRCNN`` with the configuration of ``cfg``: the same ResNet
-    depth, norm layer (FrozenBN/BN/GN, eps), frozen stages, FPN stages and channels,
-    anchors, RPN/ROI samplers and thresholds, RoIAlign, head sizes and normalisation.
-    Its transform does not resize (see :func:`_no_resize_transform`)."""
-
+def _tv_backbone(cfg: Config) -> BackboneWithFPN:
+    """torchvision's ResNet of ``model.backbone`` with the config's norm layer, frozen
+    stages and FPN stages and channels, as ``BackboneWithFPN``."""
     m = cfg.model
     norm_layer = _tv_norm_layer(cfg)
     resnet = getattr(torchvision.models, m.backbone)(weights=None, norm_layer=norm_layer)
@@ -91,17 +88,26 @@ def build_torchvision_model(cfg: Config) -> nn.Module:
     stages = list(m.return_stages)
     return_layers = {f"layer{s}": str(i) for i, s in enumerate(stages)}
     in_channels = [stage2 * 2 ** (s - 1) for s in stages]
-    backbone = BackboneWithFPN(
+    return BackboneWithFPN(
         resnet, return_layers, in_channels, m.fpn_channels, extra_blocks=LastLevelMaxPool(),
         norm_layer=None if m.norm == "frozen_bn" else norm_layer,
     )
 
+
+def build_torchvision_model(cfg: Config) -> nn.Module:
+    """torchvision's ``FasterRCNN`` with the configuration of ``cfg``: the same ResNet
+    depth, norm layer (FrozenBN/BN/GN, eps), frozen stages, FPN stages and channels,
+    anchors, RPN/ROI samplers and thresholds, RoIAlign, head sizes and normalisation.
+    Its transform does not resize (see :func:`_no_resize_transform`)."""
+
+    m = cfg.model
+    backbone = _tv_backbone(cfg)
     sizes = tuple(tuple(float(s) for s in level) for level in m.anchors.sizes)
     ratios = (tuple(float(r) for r in m.anchors.aspect_ratios),) * len(sizes)
     anchor_gen = AnchorGenerator(sizes, ratios)
     rpn_head = RPNHead(m.fpn_channels, anchor_gen.num_anchors_per_location()[0], conv_depth=cfg.rpn.conv_depth)
     r = cfg.roi_heads
-    pooler = MultiScaleRoIAlign([str(i) for i in range(len(stages))], r.pooler_resolution, r.sampling_ratio)
+    pooler = MultiScaleRoIAlign([str(i) for i in range(len(m.return_stages))], r.pooler_resolution, r.sampling_ratio)
     box_head = TwoMLPHead(m.fpn_channels * r.pooler_resolution**2, r.representation_size)
     predictor = FastRCNNPredictor(r.representation_size, m.num_classes + 1)
     model = FasterRCNN(

@@ -18,6 +18,7 @@ from torch import nn
 from ..config import amp_dtype as resolve_amp_dtype
 from ..distributed import all_gather_object, get_rank, get_world_size
 from .inference import LOSS_NAMES, array_to_detections, compute_val_loss, run_inference
+from .results import Detections
 from .scoring import ScoreReport, format_table, score_detections, write_outputs
 
 from detector.messages import typed_first_line
@@ -114,13 +115,7 @@ def evaluate(
     image_ids = [i for g in gathered for i in g[1]]
     logger.info("images per rank: %s", [len(g[1]) for g in gathered])
     _check_coverage(list(dataset.image_ids), image_ids)
-    # Dataset order, whatever the number of ranks: identical results (and ties) to one process.
-    position = {image_id: k for k, image_id in enumerate(dataset.image_ids)}
-    detections = np.concatenate([g[0] for g in gathered])
-    keys = np.array([position[int(i)] for i in detections[:, 0]], dtype=np.int64)
-    detections = detections[np.argsort(keys, kind="stable")]  # stable: each image keeps its order
-    results = array_to_detections(detections)
-
+    results = _in_dataset_order([g[0] for g in gathered], list(dataset.image_ids))
     report = score_detections(
         dataset.coco_gt(),
         results,
@@ -131,10 +126,7 @@ def evaluate(
     )
     metrics = dict(report.metrics)
     if cfg.eval.compute_val_loss:
-        count = sum(g[3]["count"] for g in gathered)
-        for k in LOSS_NAMES:
-            metrics[f"val_{k}"] = sum(g[3]["sum"][k] for g in gathered) / max(count, 1)
-        metrics["val_loss"] = sum(metrics[f"val_{k}"] for k in LOSS_NAMES)
+        metrics.update(_mean_val_losses([g[3] for g in gathered]))
     seconds = [s for g in gathered for s in g[2]]
     timing = {
         "num_images": float(len(image_ids)),
@@ -148,3 +140,22 @@ def evaluate(
     if output_dir is not None:
         write_outputs(report, results, output_dir, extra_metrics=timing)
     return EvalMetrics(metrics, report)
+
+
+def _in_dataset_order(detections: List[np.ndarray], dataset_ids: List[int]) -> Detections:
+    """The ranks' ``[D_r, 7]`` detection arrays (image id first) joined in the data set's
+    image order, whatever the number of ranks (so results and ties are those of one
+    process), each image keeping its own order."""
+    position = {image_id: k for k, image_id in enumerate(dataset_ids)}
+    joined = np.concatenate(detections)
+    keys = np.array([position[int(i)] for i in joined[:, 0]], dtype=np.int64)
+    return array_to_detections(joined[np.argsort(keys, kind="stable")])
+
+
+def _mean_val_losses(parts: List[Dict[str, Any]]) -> Dict[str, float]:
+    """``val_<loss>`` (the mean over all images of every rank) and their sum ``val_loss``,
+    from each rank's ``{"sum": {loss: total}, "count": images}``."""
+    count = sum(p["count"] for p in parts)
+    out = {f"val_{k}": sum(p["sum"][k] for p in parts) / max(count, 1) for k in LOSS_NAMES}
+    out["val_loss"] = sum(out[f"val_{k}"] for k in LOSS_NAMES)
+    return out
