@@ -86,14 +86,18 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Con
                     device: torch.device) -> Callable[[Batch], float]:
     """torchvision's training step on a cached batch: the uint8 images converted to float
     0..1 and the targets moved to ``device`` (torchvision's input convention), then
-    :func:`reference_step` with autocast as ``train.amp`` resolves on ``device``."""
+    :func:`reference_step` with autocast as ``train.amp`` resolves on ``device``.
+    A non-finite loss raises ``FloatingPointError``, where the reference would stop."""
     amp = resolve_amp(cfg.train.amp, device)
     scaler = torch.amp.GradScaler(device.type) if amp.uses_scaler else None
 
     def step(batch: Batch) -> float:
         images, targets = batch
         targets = _targets_to([{"boxes": t["boxes"], "labels": t["labels"]} for t in targets], device)
-        return reference_step(model, optimizer, _tv_images(images, device), targets, amp, scaler, device)
+        loss = reference_step(model, optimizer, _tv_images(images, device), targets, amp, scaler, device)
+        if not math.isfinite(loss):  # its step would skip the backward pass: no comparable time
+            raise FloatingPointError(f"torchvision's training loss is {loss}; its reference loop stops here")
+        return loss
 
     return step
 
