@@ -132,3 +132,21 @@ def test_no_grad_multi_level_pooling_is_level_by_level(layout, threads):
     for level, scale in enumerate(scales):
         ref = tv_roi_align(feats[level], rois[levels == level].detach(), (7, 6), scale, 2, False)
         assert torch.equal(out[levels == level], ref)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_low_precision_features_keep_float32_boxes_under_autocast(grad):
+    """Under autocast torchvision's op runs in float32 and casts the boxes itself: the
+    boxes must reach it in float32, not rounded to the features' bfloat16 (a box edge
+    near 700 px would move by up to 2 px). Same values as torchvision's op per level."""
+    g = torch.Generator().manual_seed(4)
+    feats = [torch.randn(1, 4, 200 // s, 200 // s, generator=g).bfloat16().requires_grad_(grad) for s in (4, 8)]
+    rois = torch.tensor([[0.0, 600.3, 601.7, 700.9, 699.4], [0.0, 11.3, 13.9, 40.2, 47.7],
+                         [0.0, 301.1, 5.3, 790.6, 402.2]])
+    levels = torch.tensor([0, 0, 1])
+    assert not torch.equal(rois.bfloat16().float(), rois)  # bfloat16 would move these edges
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+        out = multi_level_roi_align(feats, rois, levels, (3, 3), [0.25, 0.125], 2, False)
+        for level, scale in enumerate((0.25, 0.125)):
+            ref = tv_roi_align(feats[level], rois[levels == level], (3, 3), scale, 2, False)
+            assert torch.equal(out[levels == level], ref)

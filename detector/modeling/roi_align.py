@@ -39,6 +39,17 @@ from .cpu_threads import map_no_grad, worker_count
 MIN_ROIS_PER_THREAD = 64
 
 
+def rois_for_kernel(rois: Tensor, features: Tensor) -> Tensor:
+    """``rois`` in the dtype torchvision's kernel is to see with ``features``. Under
+    autocast on the features' device its wrapper runs the kernel in float32 and casts
+    both itself, so the boxes keep their precision (cast to float16 or bfloat16 first, a
+    box edge at 1000 px would move by up to 0.5 or 4 px); otherwise the kernel needs
+    both in one dtype."""
+    if torch.is_autocast_enabled(features.device.type):
+        return rois
+    return rois.to(features.dtype)
+
+
 def roi_align_forward(features: Tensor, rois: Tensor, spatial_scale: float, pooled_h: int, pooled_w: int,
                       sampling_ratio: int, aligned: bool) -> Tensor:
     """``torch.ops.torchvision.roi_align`` without autograd: ``[N, C, H, W]`` features,
@@ -271,7 +282,7 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
     out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + tuple(output_size))
     for level, (feat, scale) in enumerate(zip(features, scales)):
         idx = torch.where(levels == level)[0]
-        pooled = roi_align(feat, rois[idx].to(feat.dtype), output_size, scale, sampling_ratio, aligned)
+        pooled = roi_align(feat, rois_for_kernel(rois[idx], feat), output_size, scale, sampling_ratio, aligned)
         out.index_put_((idx,), pooled.to(out.dtype))  # not out[idx] = ...: traced, that bakes in len(idx) == 1
     return out
 
@@ -294,7 +305,7 @@ def pool_by_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, scal
     for level, group in enumerate(rois[order].split(counts)):
         if group.shape[0]:
             chunks = group.chunk(worker_count(device, group.shape[0] // MIN_ROIS_PER_THREAD))
-            pieces += [(level, chunk.to(features[level].dtype)) for chunk in chunks]
+            pieces += [(level, rois_for_kernel(chunk, features[level])) for chunk in chunks]
     parts = map_no_grad(lambda piece: torch.ops.torchvision.roi_align(
         features[piece[0]], piece[1], float(scales[piece[0]]), ph, pw, int(sampling_ratio), bool(aligned)),
         pieces, device)
