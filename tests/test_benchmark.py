@@ -43,6 +43,12 @@ def _check_run(run: dict, iters: int) -> None:
     assert 20 * 2**20 < run["peak_memory_bytes"] < 16 * 2**30
 
 
+def shapes_data(tmp_path, num_train: int = 4, num_val: int = 2) -> list:
+    """Overrides pointing the tiny config at a small generated shapes set under ``tmp_path``."""
+    return [f"data.train.root={tmp_path / 'shapes'}", f"data.val.root={tmp_path / 'shapes'}",
+            f"data.shapes.num_train={num_train}", f"data.shapes.num_val={num_val}"]
+
+
 @pytest.fixture
 def restore_threads():
     n = torch.get_num_threads()
@@ -57,8 +63,7 @@ def test_train_json_tiny_config(tmp_path, restore_threads):
     rc = tool.main([
         "--config", str(TINY), "--task", "train", "--iters", "2", "--warmup", "1", "--num-batches", "2",
         "--threads", "1", "--compare-torchvision", "--json", str(out), "train.device=cpu",
-        f"data.train.root={tmp_path / 'shapes'}",
-        f"data.val.root={tmp_path / 'shapes'}", "data.shapes.num_train=12", "data.shapes.num_val=4",
+        *shapes_data(tmp_path, 12, 4),
     ])
     assert rc == 0
     result = json.loads(out.read_text())
@@ -199,8 +204,7 @@ def test_data_task_json(tmp_path):
     out = tmp_path / "data.json"
     rc = load_tool("benchmark").main([
         "--config", str(TINY), "--task", "data", "--iters", "3", "--warmup", "1", "--json", str(out),
-        f"data.train.root={tmp_path / 'shapes'}", f"data.val.root={tmp_path / 'shapes'}",
-        "data.shapes.num_train=12", "data.shapes.num_val=4",
+        *shapes_data(tmp_path, 12, 4),
     ])
     assert rc == 0
     result = json.loads(out.read_text())
@@ -213,8 +217,7 @@ def test_count_ops_json(tmp_path, restore_threads):
     rc = load_tool("benchmark").main([
         "--config", str(TINY), "--task", "train", "--iters", "1", "--warmup", "1", "--num-batches", "2",
         "--no-loader", "--count-ops", "--threads", "1", "--json", str(out), "train.device=cpu",
-        f"data.train.root={tmp_path / 'shapes'}", f"data.val.root={tmp_path / 'shapes'}",
-        "data.shapes.num_train=4", "data.shapes.num_val=2", "solver.images_per_gpu=2",
+        *shapes_data(tmp_path), "solver.images_per_gpu=2",
     ])
     assert rc == 0
     result = json.loads(out.read_text())
@@ -237,8 +240,7 @@ def test_infer_profile_json(tmp_path, restore_threads, capsys):
     rc = load_tool("benchmark").main([
         "--config", str(TINY), "--task", "infer", "--iters", "1", "--warmup", "1", "--num-batches", "2",
         "--compare-torchvision", "--profile", "--threads", "1", "--json", str(out), "train.device=cpu",
-        f"data.train.root={tmp_path / 'shapes'}", f"data.val.root={tmp_path / 'shapes'}",
-        "data.shapes.num_train=4", "data.shapes.num_val=2", "eval.images_per_gpu=2",
+        *shapes_data(tmp_path), "eval.images_per_gpu=2",
     ])
     assert rc == 0
     result = json.loads(out.read_text())
