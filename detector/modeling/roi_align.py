@@ -43,7 +43,7 @@ def rois_for_kernel(rois: Tensor, features: Tensor) -> Tensor:
     """``rois`` in the dtype torchvision's kernel is to see with ``features``. Under
     autocast on the features' device its wrapper runs the kernel in float32 and casts
     both itself, so the boxes keep their precision (cast to float16 or bfloat16 first, a
-    box edge at 1000 px would move by up to 0.5 or 4 px); otherwise the kernel needs
+    box edge near 1000 px would move by up to 0.25 or 2 px); otherwise the kernel needs
     both in one dtype."""
     if torch.is_autocast_enabled(features.device.type):
         return rois
@@ -59,11 +59,17 @@ def roi_align_forward(features: Tensor, rois: Tensor, spatial_scale: float, pool
     chunks of at least ``MIN_ROIS_PER_THREAD`` run on ``torch.get_num_threads()`` threads
     (``cpu_threads``); each output row is computed by the same kernel, so the result is
     bit-identical (1.6x faster with 2 threads on the demo's 800 RoIs; docs/performance.md)."""
-    pieces = 1 if torch.jit.is_tracing() else max(1, rois.shape[0] // MIN_ROIS_PER_THREAD)
-    chunks = rois.chunk(worker_count(features.device, pieces))
     parts = map_no_grad(lambda part: torch.ops.torchvision.roi_align(
-        features, part, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned), chunks, features.device)
+        features, part, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned),
+        _thread_chunks(rois, features.device), features.device)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _thread_chunks(rois: Tensor, device: torch.device) -> Tuple[Tensor, ...]:
+    """``rois`` split into one chunk per worker thread (``cpu_threads.worker_count``), each
+    of at least ``MIN_ROIS_PER_THREAD`` RoIs: a single chunk off the CPU, while tracing,
+    with one intra-op thread or for few RoIs."""
+    return rois.chunk(worker_count(device, rois.shape[0] // MIN_ROIS_PER_THREAD))
 
 
 def sampling_matrix(
@@ -265,17 +271,17 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
     in ``[0, len(features))`` (``MultiLevelRoIAlign.level_of`` clamps), so every row is written.
 
     On CPU with float32/float64 features, ``sampling_ratio > 0`` and a gradient needed, the
-    backward is one sparse product for all levels; otherwise ``roi_align`` level by level.
+    backward is one sparse product for all levels; without a gradient (and not traced)
+    ``pool_by_level``; otherwise ``roi_align`` level by level.
 
     Returns ``[R, C, PH, PW]``, torchvision's values."""
-    sparse = (all(f.device.type == "cpu" and f.dtype in (torch.float32, torch.float64) for f in features)
-              and sampling_ratio > 0 and torch.is_grad_enabled() and any(f.requires_grad for f in features)
-              and len({f.dtype for f in features}) == 1)
+    needs_grad = torch.is_grad_enabled() and any(f.requires_grad for f in features)
+    sparse = (needs_grad and sampling_ratio > 0 and len({f.dtype for f in features}) == 1
+              and all(f.device.type == "cpu" and f.dtype in (torch.float32, torch.float64) for f in features))
     if sparse:
         rois = rois.to(features[0].dtype)
         return _MultiLevelRoIAlign.apply(rois, levels, tuple(float(s) for s in scales), tuple(output_size),
                                          int(sampling_ratio), bool(aligned), *features)
-    needs_grad = torch.is_grad_enabled() and any(f.requires_grad for f in features)
     if not needs_grad and not torch.jit.is_tracing():
         return pool_by_level(features, rois, levels, scales, output_size, sampling_ratio, aligned)
     # With autograd (off the CPU), or traced (the level split must stay in the graph).
@@ -304,8 +310,7 @@ def pool_by_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, scal
     pieces = []
     for level, group in enumerate(rois[order].split(counts)):
         if group.shape[0]:
-            chunks = group.chunk(worker_count(device, group.shape[0] // MIN_ROIS_PER_THREAD))
-            pieces += [(level, rois_for_kernel(chunk, features[level])) for chunk in chunks]
+            pieces += [(level, rois_for_kernel(chunk, features[level])) for chunk in _thread_chunks(group, device)]
     parts = map_no_grad(lambda piece: torch.ops.torchvision.roi_align(
         features[piece[0]], piece[1], float(scales[piece[0]]), ph, pw, int(sampling_ratio), bool(aligned)),
         pieces, device)
