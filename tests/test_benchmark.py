@@ -49,6 +49,15 @@ def shapes_data(tmp_path, num_train: int = 4, num_val: int = 2) -> list:
             f"data.shapes.num_train={num_train}", f"data.shapes.num_val={num_val}"]
 
 
+def benchmark_json(tmp_path, *args: str) -> dict:
+    """``tools/benchmark.py --config <tiny> ARGS`` on the shapes set ``shapes_data`` makes
+    (callers add its overrides), with ``--json``: asserts exit status 0, returns the JSON."""
+    out = tmp_path / "bench.json"
+    rc = load_tool("benchmark").main(["--config", str(TINY), *args, "--json", str(out)])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
 @pytest.fixture
 def restore_threads():
     n = torch.get_num_threads()
@@ -57,16 +66,11 @@ def restore_threads():
 
 
 def test_train_json_tiny_config(tmp_path, restore_threads):
-    out = tmp_path / "bench.json"
-    tool = load_tool("benchmark")
     # One thread: the test checks the output, not the speed, and stays quick on a busy machine.
-    rc = tool.main([
-        "--config", str(TINY), "--task", "train", "--iters", "2", "--warmup", "1", "--num-batches", "2",
-        "--threads", "1", "--compare-torchvision", "--json", str(out), "train.device=cpu",
-        *shapes_data(tmp_path, 12, 4),
-    ])
-    assert rc == 0
-    result = json.loads(out.read_text())
+    result = benchmark_json(
+        tmp_path, "--task", "train", "--iters", "2", "--warmup", "1", "--num-batches", "2",
+        "--threads", "1", "--compare-torchvision", "train.device=cpu", *shapes_data(tmp_path, 12, 4),
+    )
     for key in ("task", "config", "machine", "device", "iters", "warmup", "runs", "ratio", "options", "wall_s"):
         assert key in result, f"missing field {key}"
     assert result["task"] == "train" and result["iters"] == 2 and result["device"] == "cpu"
@@ -201,26 +205,17 @@ def test_op_counts_include_the_work_on_helper_threads(tiny_cfg, restore_threads)
 
 
 def test_data_task_json(tmp_path):
-    out = tmp_path / "data.json"
-    rc = load_tool("benchmark").main([
-        "--config", str(TINY), "--task", "data", "--iters", "3", "--warmup", "1", "--json", str(out),
-        *shapes_data(tmp_path, 12, 4),
-    ])
-    assert rc == 0
-    result = json.loads(out.read_text())
+    result = benchmark_json(tmp_path, "--task", "data", "--iters", "3", "--warmup", "1", *shapes_data(tmp_path, 12, 4))
     _check_run(result["runs"]["loader"], 3)
     assert result["runs"]["loader"]["images_per_iter"] == load_config(TINY).solver.images_per_gpu
 
 
 def test_count_ops_json(tmp_path, restore_threads):
-    out = tmp_path / "ops.json"
-    rc = load_tool("benchmark").main([
-        "--config", str(TINY), "--task", "train", "--iters", "1", "--warmup", "1", "--num-batches", "2",
-        "--no-loader", "--count-ops", "--threads", "1", "--json", str(out), "train.device=cpu",
-        *shapes_data(tmp_path), "solver.images_per_gpu=2",
-    ])
-    assert rc == 0
-    result = json.loads(out.read_text())
+    result = benchmark_json(
+        tmp_path, "--task", "train", "--iters", "1", "--warmup", "1", "--num-batches", "2",
+        "--no-loader", "--count-ops", "--threads", "1", "train.device=cpu", *shapes_data(tmp_path),
+        "solver.images_per_gpu=2",
+    )
     for key in ("ops_per_step", "host_syncs_per_step", "nonzero_per_step"):
         assert set(result[key]) == {"ours", "torchvision"}, key
         assert all(isinstance(v, int) and v >= 0 for v in result[key].values()), key
@@ -236,14 +231,11 @@ def test_count_ops_json(tmp_path, restore_threads):
 def test_infer_profile_json(tmp_path, restore_threads, capsys):
     """--profile also profiles one inference batch, for both models, with the share of
     the step in convolution and linear kernels (and the bound it puts on the ratio)."""
-    out = tmp_path / "prof.json"
-    rc = load_tool("benchmark").main([
-        "--config", str(TINY), "--task", "infer", "--iters", "1", "--warmup", "1", "--num-batches", "2",
-        "--compare-torchvision", "--profile", "--threads", "1", "--json", str(out), "train.device=cpu",
-        *shapes_data(tmp_path), "eval.images_per_gpu=2",
-    ])
-    assert rc == 0
-    result = json.loads(out.read_text())
+    result = benchmark_json(
+        tmp_path, "--task", "infer", "--iters", "1", "--warmup", "1", "--num-batches", "2",
+        "--compare-torchvision", "--profile", "--threads", "1", "train.device=cpu", *shapes_data(tmp_path),
+        "eval.images_per_gpu=2",
+    )
     assert set(result["profile"]) == {"ours", "torchvision"}
     for prof in result["profile"].values():
         names = [op["name"] for op in prof["top_ops"]]

@@ -11,8 +11,7 @@ from detector.config import Config
 from detector.distributed import resolve_device
 
 from .batches import cached_batches
-from .steps import (apply_speed_options, build_ours, build_train_optimizer, make_infer_step, make_ours_train_step,
-                    make_train_step)
+from .steps import build_ours, make_step
 from .timing import synchronize
 from .torchvision_ref import build_torchvision_model
 
@@ -66,31 +65,24 @@ def profile_train_step(
 
     device = resolve_device(cfg.train.device)
     if device.type != "cpu":
-        return _profile_train_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path, task)
+        return _profile_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path, task)
     # The profiler records the calling thread only; on the CPU our model runs some
     # per-image work on helper threads (detector.modeling.cpu_threads), which one
     # intra-op thread keeps in the caller: the same operators, all of them counted.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _profile_train_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path, task)
+        return _profile_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path, task)
     finally:
         torch.set_num_threads(threads)
 
 
-def _profile_train_step(cfg: Config, device: torch.device, warmup: int, row_limit: int, synthetic: bool,
+def _profile_step(cfg: Config, device: torch.device, warmup: int, row_limit: int, synthetic: bool,
                         torchvision_model: bool, trace_path: Optional[str], task: str) -> Dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
     batches = cached_batches(cfg, task == "train", 2, synthetic, pin=device.type == "cuda")
     model = build_torchvision_model(cfg).to(device) if torchvision_model else build_ours(cfg, device)
-    if task == "infer":
-        model = model if torchvision_model else apply_speed_options(model, cfg, device)
-        step = make_infer_step(model.eval(), cfg, device, torchvision_model)
-    elif torchvision_model:
-        model.train()
-        step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device)
-    else:
-        step, _ = make_ours_train_step(model, cfg, device)
+    step, _ = make_step(model, cfg, device, task, torchvision_model)
     for i in range(warmup):
         step(batches[i % len(batches)])
     synchronize(device)

@@ -171,7 +171,7 @@ def _speed_options(cfg: Config, device: torch.device) -> Dict[str, Any]:
 
 
 def _profiles(cfg: Config, task: str, synthetic: bool, profile: bool, count_ops: bool,
-                    compare_torchvision: bool) -> Dict[str, Any]:
+              compare_torchvision: bool) -> Dict[str, Any]:
     """``profile`` (per model: :func:`profile_train_step`) and/or the ``--count-ops``
     fields (``ops_per_step``, ``host_syncs_per_step``, ``nonzero_per_step``)."""
     profiles = {"ours": profile_train_step(cfg, synthetic=synthetic, task=task)}

@@ -137,3 +137,21 @@ def make_infer_step(model: nn.Module, cfg: Config, device: torch.device, torchvi
                 return model(images)
 
     return step
+
+
+def make_step(model: nn.Module, cfg: Config, device: torch.device, task: str,
+              torchvision_api: bool) -> Tuple[Callable[[Batch], Any], nn.Module]:
+    """The timed step of ``task`` for ``model``: for ``"train"`` ours is the engine's
+    ``TrainStep`` (:func:`make_ours_train_step`), torchvision's its reference iteration
+    (:func:`make_train_step`); for ``"infer"`` one batch in eval mode
+    (:func:`make_infer_step`), ours with the ``train.*`` speed options.
+
+    Returns ``(step, the model it runs)``."""
+    if task == "train" and not torchvision_api:
+        return make_ours_train_step(model, cfg, device)
+    if task == "train":
+        model.train()
+        return make_train_step(model, build_train_optimizer(model, cfg), cfg, device), model
+    model = model if torchvision_api else apply_speed_options(model, cfg, device)
+    model.eval()
+    return make_infer_step(model, cfg, device, torchvision_api), model

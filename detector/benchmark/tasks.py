@@ -23,7 +23,7 @@ from detector.evaluation.scoring import score_detections
 
 from .batches import cached_batches, cycle_epochs
 from .coco_case import generate_case, pycocotools_direct
-from .steps import apply_speed_options, build_ours, build_train_optimizer, make_infer_step, make_train_step, make_ours_train_step
+from .steps import apply_speed_options, build_ours, make_ours_train_step, make_step
 from .timing import Runner, run_interleaved
 from .torchvision_ref import build_torchvision_model, copy_matching_weights
 
@@ -86,17 +86,9 @@ def benchmark_model(
 
     runners = []
     for name, model in models.items():
-        tv_api = name == "torchvision"
-        if is_train and not tv_api:
-            step, models[name] = make_ours_train_step(model, cfg, device)
+        step, models[name] = make_step(model, cfg, device, task, torchvision_api=name == "torchvision")
+        if is_train and name == "ours":
             out["ours_step"] = "detector.engine.step.TrainStep"
-        elif is_train:
-            model.train()
-            step = make_train_step(model, build_train_optimizer(model, cfg), cfg, device)
-        else:
-            model = apply_speed_options(model, cfg, device) if not tv_api else model
-            model.eval()
-            step = make_infer_step(model, cfg, device, tv_api)
 
         def fn(i: int, step=step) -> int:
             batch = batches[i % len(batches)]
