@@ -18,9 +18,11 @@ from PIL import Image
 
 from detector.config import load_config
 from detector.data import CocoDetection, DataError, VOCDetection, build_dataset
-from detector.data.check import check_dataset, format_report, main as check_main
-from detector.data.datasets import load_image
+from detector.data.check import check_dataset, format_report
+from detector.data.files import load_image
 from conftest import load_tool
+
+check_main = load_tool("check_dataset").main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,7 +213,7 @@ def make_voc(tmp: Path, coords=("174.5", "20", "190", "40.25")) -> Path:
 
 def test_voc_non_integer_coordinates_are_accepted_and_counted(tmp_path, caplog):
     root = make_voc(tmp_path)
-    with caplog.at_level(logging.INFO, logger="detector.data.datasets"):
+    with caplog.at_level(logging.INFO, logger="detector.data"):
         ds = VOCDetection(root, "train", class_names=["cat", "dog"])
     torch.testing.assert_close(ds.get_annotation(0)["boxes"][0], torch.tensor([173.5, 19.0, 190.0, 40.25]))
     assert ds.num_non_integer_boxes == 1
@@ -245,7 +247,7 @@ def test_check_dataset_header_names_the_files_it_reads(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("tool", ["eval", "infer", "train", "benchmark", "check_dataset", "split_dataset",
-                                  "export", "summary"])
+                                  "export", "summary", "make_shapes"])
 def test_tool_help_is_clean_text(tool, capsys):
     module = load_tool(tool)
     with pytest.raises(SystemExit) as exit_info:

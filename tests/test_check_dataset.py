@@ -13,7 +13,10 @@ import yaml
 from PIL import Image
 
 from detector.config import load_config
-from detector.data.check import check_dataset, format_report, main
+from detector.data.check import check_dataset, format_report
+from conftest import load_tool
+
+main = load_tool("check_dataset").main
 
 
 def _coco_set(tmp: Path) -> tuple[Path, Path]:

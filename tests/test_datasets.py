@@ -14,7 +14,7 @@ from pycocotools.coco import COCO
 
 from detector.config import load_config
 from detector.data import CocoDetection, DataError, VOCDetection, build_dataset
-from detector.data.datasets import voc_image_ids
+from detector.data.voc import voc_image_ids
 
 
 def _write_image(path: Path, w: int, h: int, fmt: str = "JPEG") -> None:
@@ -109,7 +109,7 @@ def test_coco_degenerate_and_outside_boxes_are_counted_skips(tmp_path, caplog):
         {"id": 23, "image_id": 10, "category_id": 1, "bbox": [30, 20, 20, 20], "iscrowd": 0},  # partly out: clipped
         {"id": 24, "image_id": 11, "category_id": 7, "bbox": [1, 1, 5, 5], "iscrowd": 0},
     ]
-    with caplog.at_level(logging.WARNING, logger="detector.data.datasets"):
+    with caplog.at_level(logging.WARNING, logger="detector.data"):
         ds = CocoDetection(*make_coco(tmp_path, annotations=anns))
     assert ds.skipped["degenerate"] == 1 and ds.skipped["outside"] == 1 and ds.skipped["clipped"] == 1
     text = caplog.text

@@ -1,8 +1,13 @@
-"""Importing the data package (which imports albumentations) makes no network call:
-albumentations' PyPI version check is switched off before albumentations is imported."""
+"""No network call and no environment change at import.
+
+albumentations (imported with ``detector.data``) asks PyPI for a newer version at import
+unless ``NO_ALBUMENTATIONS_UPDATE=1``. The library sets no process-wide state when
+imported; each tool sets the opt-out when it starts, before it imports ``detector``
+(as ``conftest.py`` does for the tests)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -20,6 +25,10 @@ socket.socket.connect = refuse
 socket.socket.connect_ex = refuse
 """
 
+# Libraries that themselves write os.environ at import (cv2: LD_LIBRARY_PATH;
+# torchvision: TORCHINDUCTOR_CACHE_DIR), imported before the snapshot.
+THIRD_PARTY = ("numpy", "torch", "torchvision", "cv2", "PIL.Image", "albumentations", "pycocotools.coco")
+
 
 def run_import(repo_root, statement: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "NO_ALBUMENTATIONS_UPDATE"}
@@ -30,17 +39,56 @@ def run_import(repo_root, statement: str) -> subprocess.CompletedProcess:
     env.pop("NO_PROXY", None)
     env.pop("no_proxy", None)
     return subprocess.run([sys.executable, "-c", NETWORK_PROBE + statement], cwd=repo_root, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
 
 
-def test_importing_the_data_package_makes_no_network_call(repo_root):
-    out = run_import(repo_root, "import detector.data, albumentations, os; "
+def test_a_tool_start_makes_no_network_call(repo_root):
+    """``tools/train.py`` loaded as a module (its imports run, not its ``main``), then the
+    data package: the tool's start set the opt-out, so albumentations stays offline."""
+    out = run_import(repo_root, "import os, runpy; runpy.run_path('tools/train.py', run_name='tool'); "
+                                "import detector.data, albumentations; "
                                 "print('opt-out', os.environ['NO_ALBUMENTATIONS_UPDATE'])")
     assert out.returncode == 0, out.stderr
     assert "opt-out 1" in out.stdout
     assert "NETWORK ATTEMPT" not in out.stderr
     assert "Error fetching version info" not in out.stderr
     assert "Warning" not in out.stderr, out.stderr
+
+
+def test_every_tool_sets_the_opt_out_before_importing_detector(repo_root):
+    """Each ``tools/*.py`` calls ``os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")``
+    at module level, above its first ``detector`` import (read from the source)."""
+    tools = sorted((repo_root / "tools").glob("*.py"))
+    assert len(tools) >= 8
+    late = []
+    for path in tools:
+        sets_at = imports_at = None
+        for node in ast.parse(path.read_text()).body:
+            if imports_at is None and isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if any(n == "detector" or n.startswith("detector.") for n in names):
+                    imports_at = node.lineno
+            if sets_at is None and isinstance(node, ast.Expr) and "NO_ALBUMENTATIONS_UPDATE" in ast.unparse(node):
+                assert ast.unparse(node) == "os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')", path
+                sets_at = node.lineno
+        if sets_at is None or (imports_at is not None and imports_at < sets_at):
+            late.append(f"{path.name}: opt-out at line {sets_at}, first detector import at line {imports_at}")
+    assert not late, late
+
+
+def test_importing_detector_writes_no_environment_variable(repo_root):
+    """Importing every module of ``detector`` leaves ``os.environ`` as it was (after the
+    third-party libraries' own writes, and with the albumentations opt-out unset)."""
+    out = run_import(repo_root, f"import importlib, os, pkgutil; import {', '.join(THIRD_PARTY)}; "
+                                "before = dict(os.environ); import detector; "
+                                "names = [m.name for m in pkgutil.walk_packages(detector.__path__, 'detector.')]; "
+                                "[importlib.import_module(n) for n in names]; "
+                                "changed = sorted(k for k in set(before) | set(os.environ) "
+                                "if before.get(k) != os.environ.get(k)); "
+                                "print(len(names), 'modules; changed:', changed)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("modules; changed: []"), out.stdout
+    assert int(out.stdout.split()[0]) > 50, out.stdout  # every module was imported
 
 
 def test_probe_sees_albumentations_version_check(repo_root):

@@ -38,7 +38,7 @@ from detector.data import (
     data_num_classes,
     resolve_num_classes,
 )
-from detector.data.datasets import VOC_CLASSES
+from detector.data.voc import VOC_CLASSES
 from detector.data.loader import available_cpus, build_train_loader
 from detector.engine.log import setup_logging
 from conftest import load_tool
@@ -227,7 +227,7 @@ def test_data_paths_checked_without_reading(voc_root, coco_files, tmp_path):
 
 
 def test_voc_subset_drops_other_classes_and_logs_counts(voc_root, caplog):
-    with caplog.at_level(logging.INFO, logger="detector.data.datasets"):
+    with caplog.at_level(logging.INFO, logger="detector.data"):
         ds = VOCDetection(voc_root, "train", class_names=["dog", "cat"], require_every_class=True)
     assert ds.class_names == ["dog", "cat"] and ds.num_classes == 2
     labels = {r.image_id: r.labels.tolist() for r in ds.records}
@@ -252,7 +252,7 @@ def test_voc_subset_class_without_objects_is_an_error_in_training(voc_root, tmp_
 
 def test_coco_subset_maps_labels_and_category_ids(coco_files, caplog):
     images, ann = coco_files
-    with caplog.at_level(logging.INFO, logger="detector.data.datasets"):
+    with caplog.at_level(logging.INFO, logger="detector.data"):
         ds = CocoDetection(images, ann, class_names=["c", "a"])
     assert ds.class_names == ["c", "a"] and ds.label_to_category_id == {1: 11, 2: 3}
     assert ds.records[0].labels.tolist() == [2, 1]  # a (id 3), c (id 11); b dropped

@@ -12,7 +12,10 @@ import yaml
 from pycocotools.coco import COCO
 
 from detector.data import CocoDetection, VOCDetection
-from detector.data.check import check_dataset, main
+from detector.data.check import check_dataset
+from conftest import load_tool
+
+main = load_tool("check_dataset").main
 
 pytestmark = pytest.mark.realdata
 

@@ -10,7 +10,10 @@ from PIL import Image
 
 from detector.config import load_config
 from detector.data import build_dataset
-from detector.data.shapes import CLASS_NAMES, MIN_OBJECT_SIDE, ensure_shapes, generate_shapes, main
+from detector.data.shapes import CLASS_NAMES, MIN_OBJECT_SIDE, ensure_shapes, generate_shapes
+from conftest import load_tool
+
+main = load_tool("make_shapes").main
 
 
 def _files(root):

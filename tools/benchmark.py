@@ -26,6 +26,9 @@ from pathlib import Path
 # threads on a CPU shared with other processes make steps many times slower). Must be
 # set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
+# set: offline, a warning and a wait on every start. Set before detector is imported.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 from detector.config import ConfigError, load_config  # noqa: E402
 from detector.data import DataError  # noqa: E402

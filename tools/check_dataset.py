@@ -5,9 +5,44 @@ image files, duplicate ids, size and aspect histograms. Exit status 1 on errors.
     python tools/check_dataset.py --config configs/my_coco.yaml --split train [key=value ...]
 """
 
-import sys
+from __future__ import annotations
 
-from detector.data.check import main
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
+# set: offline, a warning and a wait on every start. Set before detector is imported.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from detector.config import load_config  # noqa: E402
+from detector.data.check import check_dataset, format_report  # noqa: E402
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Check a detection data set named by a config.")
+    parser.add_argument("--config", required=True, help="YAML config")
+    parser.add_argument("--split", default="train", choices=["train", "val"],
+                        help="which of data.train / data.val to check (default: train)")
+    parser.add_argument("--no-decode", action="store_true", help="only check that image files exist")
+    parser.add_argument("overrides", nargs="*", help="config overrides key=value")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``tools/check_dataset.py --config C [--split train] [key=value ...]``; returns the exit status."""
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    report = check_dataset(cfg, args.split, decode=not args.no_decode)
+    print(format_report(report))
+    return 0 if report.ok else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

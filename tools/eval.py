@@ -21,9 +21,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
+
+# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
+# set: offline, a warning and a wait on every start. Set before detector is imported.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

@@ -33,6 +33,9 @@ from typing import List, Optional, Tuple
 # Sleeping, not spinning, OpenMP threads (docs/training.md; matters for --time on a shared
 # CPU): set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
+# set: offline, a warning and a wait on every start. Set before detector is imported.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -44,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from detector.benchmark.export_speed import benchmark_exported  # noqa: E402
 from detector.config import ConfigError, load_config  # noqa: E402
-from detector.data.datasets import load_image  # noqa: E402
+from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
 from detector.messages import first_line  # noqa: E402
 from detector.modeling.weights import load_weights  # noqa: E402

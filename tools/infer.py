@@ -16,9 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
+
+# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
+# set: offline, a warning and a wait on every start. Set before detector is imported.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -55,7 +60,7 @@ def class_names_for(cfg) -> List[str]:
 
         return list(CLASS_NAMES)
     if cfg.data.format == "voc":
-        from detector.data.datasets import VOC_CLASSES
+        from detector.data.voc import VOC_CLASSES
 
         return list(VOC_CLASSES)
     if cfg.data.format == "coco" and cfg.data.val.ann_file and Path(cfg.data.val.ann_file).is_file():

@@ -22,6 +22,9 @@ from pathlib import Path
 # other processes, spinning threads can make training ~10x slower. Must be set before
 # torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
+# set: offline, a warning and a wait on every start. Set before detector is imported.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 # Allow `python tools/train.py` from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

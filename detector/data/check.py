@@ -15,11 +15,14 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from detector.config import Config
 
-from .datasets import VOC_CLASSES, DataError, ImageRecord, Issues, load_image, parse_coco, parse_voc
+from .coco import parse_coco
+from .dataset import ImageRecord, Issues
+from .files import DataError, load_image
+from .voc import VOC_CLASSES, parse_voc
 
 logger = logging.getLogger(__name__)
 
@@ -190,22 +193,3 @@ def format_report(report: CheckReport) -> str:
     else:
         lines.append("OK: no errors found")
     return "\n".join(lines)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``tools/check_dataset.py --config C [--split train] [key=value ...]``; returns the exit status."""
-    import argparse
-
-    from detector.config import load_config
-
-    parser = argparse.ArgumentParser(description="Check a detection data set named by a config.")
-    parser.add_argument("--config", required=True, help="YAML config")
-    parser.add_argument("--split", default="train", choices=["train", "val"],
-                        help="which of data.train / data.val to check (default: train)")
-    parser.add_argument("--no-decode", action="store_true", help="only check that image files exist")
-    parser.add_argument("overrides", nargs="*", help="config overrides key=value")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    report = check_dataset(cfg, args.split, decode=not args.no_decode)
-    print(format_report(report))
-    return 0 if report.ok else 1

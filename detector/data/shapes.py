@@ -1,6 +1,6 @@
 """The generated "shapes" demo data set, written in COCO format.
 
-    python -m detector.data.shapes --out data/shapes --train 600 --val 100 --seed 0
+    python tools/make_shapes.py --out data/shapes --train 600 --val 100 --seed 0
 
 writes::
 
@@ -24,7 +24,6 @@ same seed gives byte-identical files.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -314,21 +313,3 @@ def ensure_shapes(root: str | os.PathLike, num_train: int, num_val: int, seed: i
         else:
             os.rename(tmp, root)
     return root
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write the generated shapes detection set (COCO format).")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--train", type=int, default=600, help="number of training images")
-    parser.add_argument("--val", type=int, default=100, help="number of validation images")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--min-side", type=int, default=96)
-    parser.add_argument("--max-side", type=int, default=224)
-    args = parser.parse_args(argv)
-    out = generate_shapes(args.out, args.train, args.val, args.seed, args.min_side, args.max_side)
-    print(f"wrote {args.train} train and {args.val} val images to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

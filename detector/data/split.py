@@ -36,7 +36,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .datasets import DataError, Issues, parse_coco, read_json
+from .coco import parse_coco
+from .dataset import Issues
+from .files import DataError, read_json
 
 SPLIT_NAMES = ("train", "val", "test")
 

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from detector.data.datasets import DataError, load_image
+from detector.data.files import DataError, load_image
 
 from .draw import render
 from .inference import model_device, to_original_boxes, unwrap
@@ -39,7 +39,7 @@ def list_images(path: str | Path) -> List[Path]:
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
-    """uint8 [H, W, 3] RGB, any bit depth scaled as ``detector.data.datasets.to_rgb8`` does.
+    """uint8 [H, W, 3] RGB, any bit depth scaled as ``detector.data.files.to_rgb8`` does.
 
     Raises:
         FileNotFoundError: no such file.

@@ -1,0 +1,210 @@
+"""Data sets from the config: ``build_dataset(cfg, split, is_train)``, the checks of
+``cfg.data``'s paths before anything is read, and the number and names of the classes
+(``model.num_classes: auto``). The loaders are built by ``loader.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from detector.config import Config, ConfigError
+
+from .coco import CocoDetection, coco_label_map
+from .dataset import DetectionDataset
+from .files import DataError, read_json
+from .shapes import CLASS_NAMES as SHAPES_CLASS_NAMES, ensure_shapes
+from .transforms import build_transforms
+from .voc import VOC_CLASSES, VOCDetection
+
+
+FORMATS = ("coco", "voc", "shapes")
+
+logger = logging.getLogger(__name__)
+
+
+def _need_folder(key: str, path: Path, what: str) -> None:
+    if not path.is_dir():
+        state = "is not a folder" if path.exists() else "not found"
+        raise DataError(f"{key}: {what} {path} {state}")
+
+
+def _need_file(key: str, path: Path, what: str) -> None:
+    if not path.is_file():
+        state = "is not a file" if path.exists() else "not found"
+        raise DataError(f"{key}: {what} {path} {state}")
+
+
+def check_data_paths(cfg: Config, split: str) -> None:
+    """Check, without reading them, that the folders and files of ``cfg.data.<split>``
+    exist: COCO's image folder and instances JSON; VOC's year folder with
+    ``ImageSets/Main/<split>.txt``, ``Annotations/`` and ``JPEGImages/``. (The shapes set
+    is generated when missing.)
+
+    Raises:
+        DataError: one line naming the config key and the path.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"check_data_paths: split must be 'train' or 'val', got {split!r}")
+    fmt = cfg.data.format
+    sc = getattr(cfg.data, split)
+    key = f"data.{split}"
+    if fmt not in FORMATS:
+        raise ConfigError(f"config key 'data.format' must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not sc.root:
+        raise DataError(f"{key}.root is empty: set it to the {fmt} data folder")
+    root = Path(sc.root)
+    if fmt == "coco":
+        if not sc.ann_file:
+            raise DataError(f"{key}.ann_file is empty: set it to the COCO instances JSON")
+        _need_folder(f"{key}.root", root, "image folder")
+        _need_file(f"{key}.ann_file", Path(sc.ann_file), "annotation file")
+    elif fmt == "voc":
+        years = sorted(p.name for p in root.glob("VOC20*") if (p / "Annotations").is_dir()) if root.is_dir() else []
+        if years and not (root / "Annotations").is_dir():
+            raise DataError(f"{key}.root: {root} is a VOCdevkit folder; set it to the year folder, "
+                            f"e.g. {root / years[-1]}")
+        _need_folder(f"{key}.root", root, "VOC year folder")
+        _need_file(f"{key}.split", root / "ImageSets" / "Main" / f"{sc.split or split}.txt", "VOC split file")
+        _need_folder(f"{key}.root", root / "Annotations", "VOC annotation folder")
+        _need_folder(f"{key}.root", root / "JPEGImages", "VOC image folder")
+    elif root.exists() and not root.is_dir():
+        raise DataError(f"{key}.root: {root} is not a folder")
+
+
+def _check_first_images(dataset: DetectionDataset, key: str, count: int = 16) -> DetectionDataset:
+    """A wrong image folder shows at once: the first ``count`` image files must exist
+    (the rest are found missing when loaded, as any single missing file is)."""
+    for record in dataset.records[:count]:
+        if not os.path.isfile(record.path):
+            raise DataError(f"{key}: image file {record.path} (image_id {record.image_id}) not found; "
+                            f"is {key} the folder that holds the images of {dataset.source}?")
+    return dataset
+
+
+def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
+    """The data set of ``cfg.data.<split>`` (split "train" or "val") with the train or
+    eval transforms of ``cfg.input``.
+
+    - ``coco``: ``root`` = image folder, ``ann_file`` = instances JSON;
+    - ``voc``: ``root`` = VOCdevkit year folder, ``split`` = ImageSets/Main name
+      (default: the split argument);
+    - ``shapes``: ``root`` = folder written by ``shapes.generate_shapes`` (or
+      ``tools/make_shapes.py``; generated from ``data.shapes`` if missing), ``split`` =
+      "train" / "val" (default: the split argument).
+
+    ``data.class_names`` picks the classes (labels 1..K in its order): VOC class names
+    (default VOC's 20) or COCO / shapes category names (default all); the other classes'
+    boxes are dropped and counted in one log line. In training every listed class must
+    have an object. ``data.filter_empty`` drops images without training boxes, in training only.
+    ``data.label_space: category_id`` (COCO / shapes) keeps label = category id instead.
+
+    Raises:
+        DataError / FileNotFoundError: a missing path (see ``check_data_paths``) or bad data.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"build_dataset: split must be 'train' or 'val', got {split!r}")
+    check_data_paths(cfg, split)
+    data = cfg.data
+    sc = getattr(data, split)
+    transforms = build_transforms(cfg, is_train, seed=cfg.train.seed)
+    filter_empty = bool(data.filter_empty and is_train)
+    names = list(data.class_names) or None
+    if data.format == "coco":
+        dataset: DetectionDataset = CocoDetection(sc.root, sc.ann_file, transforms=transforms, filter_empty=filter_empty,
+                                                  use_difficult=data.use_difficult, class_names=names,
+                                                  label_space=data.label_space)
+        return _check_first_images(dataset, f"data.{split}.root")
+    if data.format == "voc":
+        dataset = VOCDetection(sc.root, sc.split or split, class_names=names, transforms=transforms,
+                               filter_empty=filter_empty, use_difficult=data.use_difficult, require_every_class=is_train)
+        return _check_first_images(dataset, f"data.{split}.root")
+    s = data.shapes
+    root = ensure_shapes(sc.root, s.num_train, s.num_val, s.seed, s.min_side, s.max_side)
+    name = sc.split or split
+    ann_file = Path(sc.ann_file) if sc.ann_file else Path(root) / f"{name}.json"
+    return CocoDetection(Path(root) / name, ann_file, transforms=transforms, filter_empty=filter_empty,
+                         use_difficult=data.use_difficult, class_names=names, label_space=data.label_space)
+
+
+def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Tuple[int, str]:
+    """The number of classes K of the data, and where it comes from (for messages):
+    ``len(data.class_names)``; else the data set's (when given); else VOC's 20, the
+    shapes' 3, or the number of categories in COCO's ``data.<split>.ann_file``. With
+    ``data.label_space: category_id``, K is the largest category id in use."""
+    data = cfg.data
+    if data.label_space == "category_id":
+        if dataset is not None:
+            return dataset.num_classes, f"the largest category id of {dataset.source}"
+        if data.format == "coco":
+            check_data_paths(cfg, split)
+        names, source = category_id_class_names(cfg, split)
+        return len(names), source
+    if data.class_names:
+        return len(data.class_names), "data.class_names"
+    if dataset is not None:
+        return dataset.num_classes, f"the classes of {dataset.source}"
+    if data.format == "voc":
+        return len(VOC_CLASSES), "VOC's 20 classes"
+    if data.format == "shapes":
+        return len(SHAPES_CLASS_NAMES), "the shapes' classes"
+    check_data_paths(cfg, split)
+    ann_file = getattr(data, split).ann_file
+    return len(_categories_of(ann_file)), f"the categories of {ann_file}"
+
+
+def _categories_of(ann_file: str) -> list:
+    """The ``categories`` list of a COCO-format JSON (entries unchecked), or ``DataError``."""
+    content = read_json(ann_file)
+    categories = content.get("categories") if isinstance(content, dict) else None
+    if not isinstance(categories, list):
+        raise DataError(f"annotation file {ann_file}: missing or malformed top-level key 'categories'")
+    return categories
+
+
+def category_id_class_names(cfg: Config, split: str = "train") -> Tuple[List[str], str]:
+    """The class names of ``data.label_space: category_id`` without building the data
+    set: one per label 1..K, K the largest category id in use (all categories, or those
+    of ``data.class_names``), ``unused_<id>`` for the others (see ``coco_label_map``);
+    and where they come from (for messages). Reads COCO's ``data.<split>.ann_file``."""
+    data = cfg.data
+    if data.format == "shapes":  # the shapes' ids are 1..3 in the order of their names
+        names_by_id = {i + 1: name for i, name in enumerate(SHAPES_CLASS_NAMES)}
+        source = "the shapes' category ids"
+    else:
+        source = getattr(data, split).ann_file
+        categories = _categories_of(source)
+        if not all(isinstance(c, dict) and "id" in c for c in categories):
+            raise DataError(f"annotation file {source}: missing or malformed top-level key 'categories'")
+        names_by_id = {c["id"]: str(c.get("name", c["id"])) for c in sorted(categories, key=lambda c: c["id"])}
+    names, _, _ = coco_label_map(names_by_id, list(data.class_names) or None, "category_id", source)
+    return names, f"the largest category id of {source}"
+
+
+def resolve_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Config:
+    """``cfg`` with ``model.num_classes`` resolved from the data (see ``data_num_classes``;
+    pass the ``dataset`` of ``split`` when it is built, so nothing is read twice).
+
+    ``auto`` becomes K; an explicit value must equal K (with ``data.label_space:
+    category_id``: be at least K, the largest category id).
+
+    Raises:
+        ConfigError: an explicit ``model.num_classes`` that differs from the data's K
+            (category_id: is below it), one line naming the key and both numbers.
+    """
+    k, source = data_num_classes(cfg, dataset, split)
+    n = cfg.model.num_classes
+    if n is None:
+        logger.info("model.num_classes=auto: %d classes (%s)", k, source)
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=k))
+    if cfg.data.label_space == "category_id":
+        if n < k:
+            raise ConfigError(f"config key 'model.num_classes' is {n} but the data's labels go up to {k} ({source}, "
+                              f"data.label_space=category_id); set model.num_classes=auto or >= {k}")
+        return cfg
+    if n != k:
+        raise ConfigError(f"config key 'model.num_classes' is {n} but the data has {k} classes ({source}); "
+                          f"set model.num_classes=auto or {k}")
+    return cfg

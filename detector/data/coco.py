@@ -1,0 +1,309 @@
+"""COCO instances JSON: parsing (checked entry by entry, see ``dataset.py`` for the
+bad-input policy), the category-id <-> label map, and ``CocoDetection``. The generated
+shapes set is written in this format and read by ``CocoDetection`` too."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+import logging
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from pycocotools.coco import COCO
+
+from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
+from .files import DataError, path_within, read_json
+
+logger = logging.getLogger(__name__)
+
+
+def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_file: str) -> List[Any]:
+    """The category ids of ``class_names`` (category names), in that order.
+
+    Raises:
+        DataError: a name that is no category of ``ann_file`` (with the nearest one), or
+            a name that two categories share.
+    """
+    ids_by_name: Dict[str, List[Any]] = {}
+    for c, name in names_by_id.items():
+        ids_by_name.setdefault(name, []).append(c)
+    out = []
+    for name in class_names:
+        ids = ids_by_name.get(name, [])
+        if not ids:
+            near = difflib.get_close_matches(name, list(ids_by_name), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise DataError(f"data.class_names: {name!r} is not a category name of {ann_file}{hint}")
+        if len(ids) > 1:
+            raise DataError(f"data.class_names: {name!r} names {len(ids)} categories of {ann_file} (ids {ids})")
+        out.append(ids[0])
+    return out
+
+
+def coco_label_map(
+    names_by_id: Dict[Any, str], class_names: Optional[Sequence[str]], label_space: str, ann_file: str
+) -> Tuple[List[str], Dict[int, int], List[Any]]:
+    """Labels of the COCO categories ``names_by_id`` (category id -> name, sorted by id).
+
+    Returns ``(class_names, label_to_category_id, cat_ids)``: ``class_names[label - 1]``
+    names each label, ``cat_ids`` are the ids in use (as in the JSON, in label order):
+
+    - ``contiguous``: the categories (sorted by id, or those of ``class_names`` in that
+      order) are labels 1..K;
+    - ``category_id``: label = category id, so there are ``max(id)`` labels; ids that are
+      no category in use (undefined, or left out of ``class_names``) are named
+      ``unused_<id>`` and are not in ``label_to_category_id`` (nor evaluated).
+
+    Raises:
+        DataError: with ``category_id``, a category id in use that is not an integer >= 1.
+    """
+    cat_ids = _coco_subset(names_by_id, class_names, ann_file) if class_names else list(names_by_id)
+    if label_space == "contiguous":
+        return [names_by_id[c] for c in cat_ids], {i + 1: int(c) for i, c in enumerate(cat_ids)}, cat_ids
+    for c in cat_ids:
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise DataError(f"annotation file {ann_file}: category {names_by_id[c]!r} has id {c!r}; "
+                            f"data.label_space=category_id needs integer category ids >= 1")
+    used = sorted(cat_ids)
+    label_to_category_id = {c: c for c in used}
+    names = [names_by_id[i] if i in label_to_category_id else f"unused_{i}" for i in range(1, max(used, default=0) + 1)]
+    return names, label_to_category_id, used
+
+
+def _read_coco_json(ann_file: str) -> Dict[str, Any]:
+    """Read ``ann_file`` and check its top level.
+
+    Returns the parsed object (a dict whose ``images`` and ``categories`` are lists; a
+    missing ``annotations`` is set to ``[]``).
+
+    Raises:
+        DataError: the top level is no object, or ``images``/``categories`` is missing or
+            not a list (and :func:`read_json`'s errors).
+    """
+    data = read_json(ann_file)
+    if not isinstance(data, dict):
+        raise DataError(f"annotation file {ann_file}: the top level must be an object with 'images', 'annotations', 'categories'")
+    for key in ("images", "categories"):
+        if not isinstance(data.get(key), list):
+            raise DataError(f"annotation file {ann_file}: missing or malformed top-level key '{key}'")
+    data.setdefault("annotations", [])
+    return data
+
+
+def _coco_categories(categories_list: list, ann_file: str, issues: Issues) -> Dict[Any, dict]:
+    """The ``categories`` entries by id (a repeated id: an error in ``issues``; the last wins).
+
+    Raises:
+        DataError: an entry that is no object with an ``id``.
+    """
+    categories = {}
+    for i, cat in enumerate(categories_list):
+        if not isinstance(cat, dict) or "id" not in cat:
+            raise DataError(f"annotation file {ann_file}: categories[{i}] has no 'id'")
+        if cat["id"] in categories:
+            issues.error(f"annotation file {ann_file}: category id {cat['id']} appears twice in 'categories'")
+        categories[cat["id"]] = cat
+    return categories
+
+
+def _coco_images(
+    images: list, ann_file: str, image_dir: str | os.PathLike, issues: Issues
+) -> Tuple[List[dict], Dict[Any, str]]:
+    """The valid ``images`` entries: required fields, integer id, positive size,
+    ``file_name`` inside ``image_dir``, unique id (pycocotools would silently keep the
+    last one). Each invalid entry is an error in ``issues`` and left out.
+
+    Returns ``(good_images, seen)``: the valid entries in file order, and their
+    ``file_name`` by image id.
+    """
+    seen: Dict[Any, str] = {}
+    good_images = []
+    for i, img in enumerate(images):
+        missing = [k for k in ("id", "file_name", "width", "height") if not isinstance(img, dict) or k not in img]
+        if missing:
+            issues.error(f"annotation file {ann_file}: images[{i}] lacks {', '.join(repr(k) for k in missing)}")
+            continue
+        if not isinstance(img["id"], int) or isinstance(img["id"], bool):
+            issues.error(f"annotation file {ann_file}: images[{i}] has id {img['id']!r}; image ids must be integers")
+            continue
+        if not all(isinstance(img[k], (int, float)) and img[k] > 0 for k in ("width", "height")):
+            issues.error(f"annotation file {ann_file}: image_id {img['id']}: width/height must be positive numbers, "
+                         f"got {img['width']!r} x {img['height']!r}")
+            continue
+        if not isinstance(img["file_name"], str) or path_within(str(image_dir), img["file_name"]) is None:
+            issues.error(f"annotation file {ann_file}: image_id {img['id']}: file_name {img['file_name']!r} "
+                         f"resolves outside the image root {image_dir}")
+            continue
+        if img["id"] in seen:
+            issues.error(
+                f"annotation file {ann_file}: image_id {img['id']} appears twice "
+                f"({seen[img['id']]!r} and {img['file_name']!r})"
+            )
+            continue
+        seen[img["id"]] = img["file_name"]
+        good_images.append(img)
+    return good_images, seen
+
+
+def _coco_annotations(
+    annotations: list,
+    ann_file: str,
+    seen: Dict[Any, str],
+    category_id_to_label: Dict[Any, int],
+    names_by_id: Dict[Any, str],
+    issues: Issues,
+) -> Tuple[Dict[Any, list], List[dict]]:
+    """The valid ``annotations`` entries: an object with a unique ``id``, a valid
+    ``image_id`` (a key of ``seen``, the valid images), a ``category_id`` in use and a
+    ``bbox`` of 4 numbers. Each invalid entry is an error in ``issues`` and left out; an
+    annotation of a category left out of ``data.class_names`` is counted by name in
+    ``issues.other_classes`` and left out.
+
+    Returns ``(anns_by_image, good_anns)``: the valid entries by image id (every id of
+    ``seen``, in its order) and in file order.
+    """
+    anns_by_image: Dict[Any, list] = {image_id: [] for image_id in seen}
+    good_anns = []
+    ann_ids: set = set()
+    for i, ann in enumerate(annotations):
+        if not isinstance(ann, dict) or "id" not in ann:
+            issues.error(f"annotation file {ann_file}: annotations[{i}] is not an object with an 'id'")
+            continue
+        where = f"annotation file {ann_file}: annotation id {ann['id']}"
+        if ann["id"] in ann_ids:
+            issues.error(f"{where} appears twice")
+            continue
+        ann_ids.add(ann["id"])
+        if ann.get("image_id") not in seen:  # the keys of anns_by_image
+            issues.error(f"{where}: image_id {ann.get('image_id')!r} is not in 'images'")
+            continue
+        if ann.get("category_id") not in category_id_to_label:
+            if ann.get("category_id") in names_by_id:  # a category left out of data.class_names
+                issues.other_classes[names_by_id[ann["category_id"]]] += 1
+            else:
+                issues.error(f"{where}: category_id {ann.get('category_id')!r} is not in 'categories'")
+            continue
+        bbox = ann.get("bbox")
+        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(isinstance(v, (int, float)) for v in bbox):
+            issues.error(f"{where}: 'bbox' must be 4 numbers [x, y, w, h], got {bbox!r}")
+            continue
+        anns_by_image[ann["image_id"]].append(ann)
+        good_anns.append(ann)
+    return anns_by_image, good_anns
+
+
+def _coco_records(
+    good_images: List[dict],
+    anns_by_image: Dict[Any, list],
+    category_id_to_label: Dict[Any, int],
+    image_dir: str | os.PathLike,
+    ann_file: str,
+    issues: Issues,
+) -> List[ImageRecord]:
+    """One ``ImageRecord`` per valid image, in order: each ``[x, y, w, h]`` becomes
+    ``[x, y, x + w, y + h]`` and goes through :func:`check_box` (skips and clips counted in
+    ``issues``); area is the annotation's positive ``area``, else ``w * h``."""
+    records = []
+    image_dir = str(image_dir)
+    for img in good_images:
+        width, height = int(img["width"]), int(img["height"])
+        rows = []
+        for ann in anns_by_image[img["id"]]:
+            x, y, w, h = (float(v) for v in ann["bbox"])
+            box = check_box((x, y, x + w, y + h), width, height,
+                            f"annotation file {ann_file}: annotation id {ann.get('id')} (image_id {img['id']})", issues)
+            if box is None:
+                continue
+            area = float(ann["area"]) if isinstance(ann.get("area"), (int, float)) and ann["area"] > 0 else w * h
+            rows.append((box, category_id_to_label[ann["category_id"]], bool(ann.get("iscrowd", 0)),
+                         bool(ann.get("difficult", 0) or ann.get("ignore", 0) and not ann.get("iscrowd", 0)),
+                         int(ann.get("id", 0)), area))
+        arrays = rows_to_arrays(rows)
+        records.append(ImageRecord(image_id=int(img["id"]), path=path_within(image_dir, img["file_name"]),
+                                   width=width, height=height, **arrays))
+    return records
+
+
+def parse_coco(
+    ann_file: str | os.PathLike,
+    image_dir: str | os.PathLike,
+    issues: Issues,
+    class_names: Optional[Sequence[str]] = None,
+    label_space: str = "contiguous",
+) -> Tuple[List[ImageRecord], List[str], Dict[int, int], Any]:
+    """Parse a COCO instances JSON (through pycocotools' index) into image records.
+
+    Returns ``(records, class_names, label_to_category_id, coco)``: labels as
+    :func:`coco_label_map` gives them for ``label_space``. ``[x, y, w, h]`` becomes
+    ``[x, y, x + w, y + h]``.
+
+    ``class_names`` (category names, e.g. ``data.class_names``) keeps those categories
+    only; annotations of the other categories are dropped and counted by name in
+    ``issues.other_classes``.
+    """
+    ann_file = str(ann_file)
+    data = _read_coco_json(ann_file)
+
+    # Categories -> labels (see coco_label_map).
+    categories = _coco_categories(data["categories"], ann_file, issues)
+    names_by_id = {c: str(categories[c].get("name", c)) for c in sorted(categories)}
+    class_names, label_to_category_id, cat_ids = coco_label_map(names_by_id, class_names, label_space, ann_file)
+    category_id_to_label = {c: lab for lab, c in label_to_category_id.items()}
+
+    good_images, seen = _coco_images(data["images"], ann_file, image_dir, issues)
+    anns_by_image, good_anns = _coco_annotations(data["annotations"], ann_file, seen, category_id_to_label,
+                                                 names_by_id, issues)
+
+    # pycocotools' index over the validated content (it would silently keep the last of
+    # two equal ids, and fail on annotations without one).
+    coco = COCO()
+    coco.dataset = {**data, "images": good_images, "annotations": good_anns,
+                    "categories": [categories[c] for c in cat_ids]}
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
+
+    records = _coco_records(good_images, anns_by_image, category_id_to_label, image_dir, ann_file, issues)
+    return records, class_names, label_to_category_id, coco
+
+
+class CocoDetection(DetectionDataset):
+    """A COCO instances JSON plus an image folder.
+
+    Category ids (any, e.g. 1, 7, 90) map to contiguous labels 1..K in id order and back
+    (``label_to_category_id``). ``iscrowd`` boxes are kept for evaluation, not trained on.
+
+    Args:
+        image_dir: folder holding the ``file_name`` of each image.
+        ann_file: the instances JSON.
+        transforms: callable applied to (image, boxes, labels); None = no resize.
+        filter_empty: drop images without a trainable box.
+        class_names: category names to keep, as labels 1..K in this order (a subset;
+            the other categories' boxes are dropped and counted in the log); None = all.
+        label_space: ``contiguous`` (labels 1..K) or ``category_id`` (label = category
+            id; see :func:`coco_label_map`).
+    """
+
+    def __init__(
+        self,
+        image_dir: str | os.PathLike,
+        ann_file: str | os.PathLike,
+        transforms: Optional[Transform] = None,
+        filter_empty: bool = False,
+        use_difficult: bool = False,
+        class_names: Optional[Sequence[str]] = None,
+        label_space: str = "contiguous",
+    ) -> None:
+        issues = Issues(strict=True)
+        records, class_names, label_to_cat, coco = parse_coco(ann_file, image_dir, issues, class_names, label_space)
+        self.label_space = label_space
+        self.coco = coco
+        self.image_dir = str(image_dir)
+        self.ann_file = str(ann_file)
+        if issues.skipped:
+            logger.warning("%s: skipped annotations: %s", ann_file, dict(issues.skipped))
+        log_other_classes(str(ann_file), [class_names[lab - 1] for lab in label_to_cat], issues.other_classes)
+        super().__init__(records, class_names, label_to_cat, transforms=transforms, use_difficult=use_difficult,
+                         filter_empty=filter_empty, skipped=issues.skipped, source=str(ann_file))
+

@@ -1,0 +1,318 @@
+"""The base detection data set and the box policy shared by every format.
+
+A data set reads its annotations once, at construction, into one ``ImageRecord`` per
+image (boxes already in the project's convention: ``[x1, y1, x2, y2]`` float32 absolute
+pixels, continuous coordinates, x2 > x1, no "+1"), and decodes the image file only in
+``__getitem__``. The formats: ``coco.py`` (``CocoDetection``, which also reads the
+generated shapes set) and ``voc.py`` (``VOCDetection``).
+
+Bad-input policy (see docs/data.md):
+
+- errors (``DataError``, a ``ValueError``, or ``FileNotFoundError``; one line naming the
+  file, field, index or id): a missing or undecodable annotation file, invalid JSON, a
+  missing top-level key, an ``image_id`` that appears twice, an annotation whose
+  ``image_id`` or ``category_id`` is unknown, a malformed ``bbox``, a VOC object with a class
+  name outside ``class_names``, a missing/truncated/corrupt image file (raised when the
+  item is loaded), a decoded image whose size differs from the metadata, an image of
+  32-bit pixels (no defined 8-bit scale; 16-bit images are scaled, see
+  ``files.to_rgb8``), a COCO ``file_name`` or VOC id that resolves outside the image
+  root, and a data set that is empty after filtering;
+- counted, logged skips (a warning naming the annotation id, counted in
+  ``dataset.skipped``): boxes with non-positive width or height and boxes wholly outside
+  their image (``check_box``). Boxes partly outside are clipped to the image (counted in
+  ``skipped["clipped"]``). VOC boxes with fractional coordinates are accepted as floats
+  and counted (``Issues.non_integer``, reported by the checker).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .files import DataError, load_image
+from .samplers import SampleKey
+
+logger = logging.getLogger(__name__)
+
+# A box may extend this far (pixels) past the image edge before the checker calls it faulty
+# (the data set clips any overshoot).
+PAST_EDGE_TOLERANCE = 1.0
+
+
+# transforms(image HWC uint8, boxes [N,4] float32, labels [N] int64[, key=(epoch, position)])
+#   -> (image [3,H',W'] uint8 tensor, boxes [M,4] float32 tensor, labels [M] int64 tensor)
+# (``key`` is passed when the item is fetched with a ``SampleKey``; see transforms.py.)
+Transform = Callable[..., Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class ImageRecord:
+    """One image and its raw annotations in original-image pixel coordinates."""
+
+    image_id: int
+    path: str
+    width: int
+    height: int
+    boxes: np.ndarray  # float32 [N, 4] xyxy, clipped to the image
+    labels: np.ndarray  # int64 [N], 1..K
+    iscrowd: np.ndarray  # bool [N]
+    difficult: np.ndarray  # bool [N]
+    ann_ids: np.ndarray  # int64 [N], annotation ids (VOC: running index within the set)
+    areas: np.ndarray  # float32 [N], area for COCO size buckets (pixels^2)
+
+
+@dataclass
+class Issues:
+    """Problems found while parsing annotations.
+
+    With ``strict=True`` an error raises ``DataError`` at once (the dataset's behaviour);
+    with ``strict=False`` errors are collected (the checker's behaviour). Skips are always
+    counted and logged.
+    """
+
+    strict: bool = True
+    errors: List[str] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+    skip_messages: List[str] = field(default_factory=list)
+    log_skips: bool = True
+    past_edge: List[str] = field(default_factory=list)  # clipped by more than PAST_EDGE_TOLERANCE
+    non_integer: List[str] = field(default_factory=list)  # VOC objects with fractional pixel coordinates (accepted)
+    # Boxes of classes left out of data.class_names (a class subset), by class name: dropped.
+    other_classes: Counter = field(default_factory=Counter)
+
+    def error(self, message: str) -> None:
+        if self.strict:
+            raise DataError(message)
+        self.errors.append(message)
+
+    def skip(self, kind: str, message: str) -> None:
+        self.skipped[kind] += 1
+        self.skip_messages.append(message)
+        if self.log_skips:
+            logger.warning("%s", message)
+
+
+def _empty_record_arrays(n: int = 0) -> Dict[str, np.ndarray]:
+    return {
+        "boxes": np.zeros((n, 4), np.float32),
+        "labels": np.zeros((n,), np.int64),
+        "iscrowd": np.zeros((n,), bool),
+        "difficult": np.zeros((n,), bool),
+        "ann_ids": np.zeros((n,), np.int64),
+        "areas": np.zeros((n,), np.float32),
+    }
+
+
+def check_box(
+    box: Sequence[float], width: int, height: int, where: str, issues: Issues
+) -> Optional[Tuple[float, float, float, float]]:
+    """Validate one xyxy box against its image; return it clipped, or None when skipped.
+
+    ``where`` names the annotation (e.g. "annotations.json: annotation id 7") in messages.
+    """
+    x1, y1, x2, y2 = (float(v) for v in box)
+    if not all(np.isfinite([x1, y1, x2, y2])):
+        issues.skip("degenerate", f"{where}: box {[x1, y1, x2, y2]} is not finite; skipped")
+        return None
+    if x2 <= x1 or y2 <= y1:
+        issues.skip("degenerate", f"{where}: box has non-positive width or height ({x2 - x1:g} x {y2 - y1:g}); skipped")
+        return None
+    if x1 >= width or y1 >= height or x2 <= 0 or y2 <= 0:
+        issues.skip(
+            "outside",
+            f"{where}: box [{x1:g}, {y1:g}, {x2:g}, {y2:g}] lies wholly outside the {width}x{height} image; skipped",
+        )
+        return None
+    cx1, cy1, cx2, cy2 = max(x1, 0.0), max(y1, 0.0), min(x2, float(width)), min(y2, float(height))
+    if (cx1, cy1, cx2, cy2) != (x1, y1, x2, y2):
+        issues.skipped["clipped"] += 1
+        overshoot = max(-x1, -y1, x2 - width, y2 - height)
+        message = (f"{where}: box [{x1:g}, {y1:g}, {x2:g}, {y2:g}] extends {overshoot:g} px past the edge of "
+                   f"the {width}x{height} image; clipped")
+        if overshoot > PAST_EDGE_TOLERANCE:
+            issues.past_edge.append(message)
+        logger.debug("%s", message)
+    return cx1, cy1, cx2, cy2
+
+
+def rows_to_arrays(rows: list) -> Dict[str, np.ndarray]:
+    """The record arrays of ``rows``, each ``(box xyxy, label, iscrowd, difficult, ann_id,
+    area)``: ``boxes`` float32 ``[N, 4]``, ``labels`` int64 ``[N]``, ``iscrowd`` and
+    ``difficult`` bool ``[N]``, ``ann_ids`` int64 ``[N]``, ``areas`` float32 ``[N]`` (pixels^2)."""
+    if not rows:
+        return _empty_record_arrays()
+    boxes, labels, crowd, difficult, ids, areas = zip(*rows)
+    return {
+        "boxes": np.asarray(boxes, np.float32).reshape(-1, 4),
+        "labels": np.asarray(labels, np.int64),
+        "iscrowd": np.asarray(crowd, bool),
+        "difficult": np.asarray(difficult, bool),
+        "ann_ids": np.asarray(ids, np.int64),
+        "areas": np.asarray(areas, np.float32),
+    }
+
+
+def log_other_classes(source: str, class_names: Sequence[str], dropped: Counter) -> None:
+    """One info line: the boxes of classes outside ``class_names`` that were dropped, per class."""
+    if dropped:
+        logger.info("%s: training on %d classes (data.class_names); dropped %d boxes of other classes: %s",
+                    source, len(class_names), sum(dropped.values()),
+                    ", ".join(f"{name} {n}" for name, n in dropped.most_common()))
+
+
+class DetectionDataset(torch.utils.data.Dataset):
+    """Common behaviour of the detection data sets (see the module docstring).
+
+    Items: ``(image, target)`` with ``image`` a uint8 tensor ``[3, H, W]`` and ``target``
+    a dict: ``boxes`` float32 ``[N, 4]`` (transformed image coordinates), ``labels`` int64
+    ``[N]`` (1..K), ``image_id`` int, ``orig_size`` int64 ``[2]`` = (h, w) of the file,
+    ``scale`` float32 ``[2]`` = (sx, sy) = transformed size / original size. Crowd boxes
+    (and VOC ``difficult`` boxes unless ``use_difficult``) are not in the target; they are
+    in ``get_annotation`` and ``coco_gt`` for evaluation.
+
+    ``class_names[label - 1]`` names each label 1..K; the classes in use are the keys of
+    ``label_to_category_id`` (all of 1..K, except the ``unused_<id>`` slots of COCO data
+    read with ``label_space="category_id"``, which are neither trained nor evaluated).
+    """
+
+    label_space = "contiguous"  # CocoDetection: its ``label_space`` argument
+
+    def __init__(
+        self,
+        records: List[ImageRecord],
+        class_names: List[str],
+        label_to_category_id: Dict[int, int],
+        transforms: Optional[Transform] = None,
+        use_difficult: bool = False,
+        filter_empty: bool = False,
+        skipped: Optional[Counter] = None,
+        source: str = "",
+    ) -> None:
+        self.class_names = list(class_names)
+        self.label_to_category_id = dict(label_to_category_id)
+        self.category_id_to_label = {c: lab for lab, c in self.label_to_category_id.items()}
+        self.transforms = transforms
+        self.use_difficult = use_difficult
+        self.source = source
+        self.skipped: Counter = Counter(skipped or {})
+        self.num_images_before_filter = len(records)
+        if filter_empty:
+            kept = [r for r in records if self._train_mask(r).any()]
+            if len(kept) < len(records):
+                logger.info("%s: %d of %d images have no training boxes and were filtered out (data.filter_empty)",
+                            source, len(records) - len(kept), len(records))
+            records = kept
+        if not records:
+            raise DataError(
+                f"{source}: data set is empty after filtering ({self.num_images_before_filter} images before, "
+                f"filter_empty={filter_empty})"
+            )
+        self.records = records
+        self.image_ids: List[int] = [r.image_id for r in records]
+        self.aspect_ratios: List[float] = [r.width / r.height for r in records]
+
+    # ------------------------------------------------------------------ basics
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def _train_mask(self, record: ImageRecord) -> np.ndarray:
+        mask = ~record.iscrowd
+        if not self.use_difficult:
+            mask &= ~record.difficult
+        return mask
+
+    def get_annotation(self, idx: int) -> Dict[str, Any]:
+        """Raw annotations of item ``idx`` in original-image coordinates: ``boxes`` float32
+        ``[N,4]``, ``labels`` int64 ``[N]``, ``iscrowd`` bool ``[N]``, ``difficult`` bool ``[N]``,
+        plus ``image_id``, ``height``, ``width``, ``path``."""
+        r = self.records[idx]
+        return {
+            "image_id": r.image_id,
+            "height": r.height,
+            "width": r.width,
+            "path": r.path,
+            "boxes": torch.from_numpy(r.boxes.copy()),
+            "labels": torch.from_numpy(r.labels.copy()),
+            "iscrowd": torch.from_numpy(r.iscrowd.copy()),
+            "difficult": torch.from_numpy(r.difficult.copy()),
+        }
+
+    def load_image(self, idx: int) -> np.ndarray:
+        """The decoded file of item ``idx``, uint8 ``[H, W, 3]`` RGB, checked against the metadata size."""
+        r = self.records[idx]
+        image = load_image(r.path, r.image_id)
+        h, w = image.shape[:2]
+        if (h, w) != (r.height, r.width):
+            raise DataError(
+                f"image file {r.path} (image_id {r.image_id}) is {w}x{h} but its annotation says {r.width}x{r.height}"
+            )
+        return image
+
+    def __getitem__(self, key: int | SampleKey) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        """Item ``key``: an index, or a training sampler's ``SampleKey``, whose epoch and
+        position seed the item's augmentation (the transform's ``key``)."""
+        idx = key.index if isinstance(key, SampleKey) else key
+        r = self.records[idx]
+        image = self.load_image(idx)
+        mask = self._train_mask(r)
+        boxes, labels = r.boxes[mask], r.labels[mask]
+        if self.transforms is not None and isinstance(key, SampleKey):
+            image_t, boxes_t, labels_t = self.transforms(image, boxes, labels, key=(key.epoch, key.position))
+        elif self.transforms is not None:
+            image_t, boxes_t, labels_t = self.transforms(image, boxes, labels)
+        else:
+            image_t = torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
+            boxes_t, labels_t = torch.from_numpy(boxes.copy()), torch.from_numpy(labels.copy())
+        new_h, new_w = image_t.shape[-2:]
+        target = {
+            "boxes": boxes_t.reshape(-1, 4).to(torch.float32),
+            "labels": labels_t.reshape(-1).to(torch.int64),
+            "image_id": int(r.image_id),
+            "orig_size": torch.tensor([r.height, r.width], dtype=torch.int64),
+            "scale": torch.tensor([new_w / r.width, new_h / r.height], dtype=torch.float32),
+        }
+        return image_t, target
+
+    # ------------------------------------------------------------------ evaluation
+    def coco_gt(self) -> Dict[str, Any]:
+        """Ground truth in COCO format, original image coordinates and category ids.
+
+        Crowd boxes have ``iscrowd: 1``; VOC difficult objects ``iscrowd: 0, ignore: 1,
+        difficult: 1``. Skipped annotations (degenerate, outside) are not included; clipped
+        boxes appear clipped.
+        """
+        images, annotations = [], []
+        for r in self.records:
+            images.append({"id": int(r.image_id), "file_name": os.path.basename(r.path),
+                           "width": int(r.width), "height": int(r.height)})
+            for j in range(len(r.labels)):
+                x1, y1, x2, y2 = (float(v) for v in r.boxes[j])
+                ann = {
+                    "id": int(r.ann_ids[j]),
+                    "image_id": int(r.image_id),
+                    "category_id": int(self.label_to_category_id[int(r.labels[j])]),
+                    "bbox": [x1, y1, x2 - x1, y2 - y1],
+                    "area": float(r.areas[j]),
+                    "iscrowd": int(r.iscrowd[j]),
+                }
+                if r.difficult[j]:
+                    ann["ignore"] = 1
+                    ann["difficult"] = 1
+                annotations.append(ann)
+        categories = [{"id": int(cat), "name": self.class_names[label - 1]}
+                      for label, cat in self.label_to_category_id.items()]
+        return {"images": images, "annotations": annotations, "categories": categories}
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.source!r}, images={len(self)}, classes={self.num_classes}, "
+                f"skipped={dict(self.skipped)})")

@@ -1,0 +1,104 @@
+"""Reading the files of a data set: images (any bit depth to uint8 RGB), JSON, and file
+names confined to a root folder. Every failure is one line naming the file.
+
+``DataError`` is the data package's bad-input error (see ``dataset.py`` for the policy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import numpy as np
+from PIL import Image
+
+from detector.messages import first_line
+
+
+class DataError(ValueError):
+    """Bad input data (annotation file, image file, or a data set empty after filtering)."""
+
+
+
+def to_rgb8(img: Image.Image, what: str) -> np.ndarray:
+    """A decoded PIL image as uint8 ``[H, W, 3]`` RGB, scaled correctly from any bit depth.
+
+    - 16-bit grayscale (modes ``I;16``, ``I;16B``, ``I;16L``; ``I`` from a PNG, which can
+      only be 16-bit) maps the full range 0..65535 linearly onto 0..255:
+      ``round(v * 255 / 65535)`` = ``round(v / 257)``, so 65535 -> 255 and 0 -> 0.
+      (PIL's own ``convert("RGB")`` clips every value above 255 to 255, a blank image.)
+      16-bit RGB(A) PNGs are already reduced to 8 bits by PIL when opened (high byte).
+    - 32-bit integer (``I``, other than PNG) and 32-bit float (``F``) pixels have no
+      defined 8-bit scale (a float TIFF may hold 0..1, 0..255 or physical units), so
+      they are refused with a ``DataError`` naming the file and mode.
+    - Every other mode (``L``, ``P``, ``LA``, ``PA``, ``RGBA``, ``CMYK``, ``1``, ``YCbCr``,
+      ...) goes through PIL's ``convert("RGB")``; alpha is dropped, CMYK is converted
+      without a colour profile.
+    """
+    mode = img.mode
+    if mode.startswith("I;16") or (mode == "I" and img.format == "PNG"):
+        gray = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
+        gray8 = ((gray * 255 + 65535 // 2) // 65535).astype(np.uint8)
+        return np.repeat(gray8[:, :, None], 3, axis=2)
+    if mode in ("I", "F"):
+        kind = "32-bit integer" if mode == "I" else "32-bit float"
+        raise DataError(f"{what} has {kind} pixels (mode {mode}) with no defined 8-bit scale; "
+                        f"save it as an 8- or 16-bit image")
+    if mode != "RGB":
+        img = img.convert("RGB")
+    return np.asarray(img)
+
+
+def load_image(path: str, image_id: Optional[int] = None) -> np.ndarray:
+    """Decode an image file to uint8 RGB ``[H, W, 3]`` (no EXIF rotation: annotation
+    sizes refer to the stored pixel array); other bit depths as in ``to_rgb8``.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        DataError: the file cannot be decoded (truncated or corrupt), or its pixel type
+            has no defined 8-bit scale.
+    """
+    what = f"image file {path}" + (f" (image_id {image_id})" if image_id is not None else "")
+    try:
+        with Image.open(path) as img:
+            img.load()
+            array = to_rgb8(img, what)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found") from None
+    except DataError:
+        raise
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        reason = first_line(exc)
+        raise DataError(f"cannot decode {what}: {reason}") from None
+    return array
+
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file; a missing file or invalid JSON is a one-line error naming it."""
+    path = str(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"annotation file not found: {path}") from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise DataError(f"annotation file {path} is not valid JSON: {msg}{where}") from None
+
+
+def path_within(root: str, name: str) -> Optional[str]:
+    """``root/name``, or None when ``name`` is empty, absolute or climbs out of ``root``
+    with ``..`` (checked on the text, no file access). Symbolic links inside ``root`` are
+    followed: linking files into an image folder is a common, deliberate set-up."""
+    if not name or os.path.isabs(name) or os.path.splitdrive(name)[0]:
+        return None
+    rel = os.path.normpath(name)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return None
+    return os.path.join(root, rel)
+

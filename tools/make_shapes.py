@@ -1,0 +1,48 @@
+#!/usr/bin/env python
+"""Write the generated shapes detection set (COCO format): train.json, val.json, and the
+train/ and val/ JPEGs; the same seed gives byte-identical files.
+
+    python tools/make_shapes.py --out data/shapes --train 600 --val 100 --seed 0 [--min-side 96 --max-side 224]
+
+(Training with data.format: shapes generates the set itself when its folder is missing.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
+# set: offline, a warning and a wait on every start. Set before detector is imported.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from detector.data.shapes import generate_shapes  # noqa: E402
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--train", type=int, default=600, help="number of training images")
+    parser.add_argument("--val", type=int, default=100, help="number of validation images")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-side", type=int, default=96)
+    parser.add_argument("--max-side", type=int, default=224)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    out = generate_shapes(args.out, args.train, args.val, args.seed, args.min_side, args.max_side)
+    print(f"wrote {args.train} train and {args.val} val images to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
