@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from detector.config import AMPConfig
 from detector.messages import first_line
 
 
@@ -113,6 +114,18 @@ def resolve_backend(backend: str, device_type: str) -> str:
         raise ValueError(f"train.dist_backend=nccl needs CUDA, but the device is {device_type}; "
                          "use train.dist_backend=gloo (or auto) on the CPU")
     return backend
+
+
+def amp_dtype(amp: AMPConfig, device: torch.device | str) -> torch.dtype:
+    """The autocast dtype of ``train.amp.dtype`` on ``device``: ``auto`` is bfloat16
+    where the device supports it (``torch.cuda.is_bf16_supported()``; always on the CPU),
+    else float16. Used by training (``detector.engine.amp.resolve_amp``) and by the
+    evaluation's ``eval.amp``."""
+    device = torch.device(device)
+    if amp.dtype == "auto":
+        bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu"
+        return torch.bfloat16 if bf16 else torch.float16
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}[amp.dtype]
 
 
 def cuda_index_for_rank(local_rank: int, local_world_size: int, device_count: int, backend: str) -> int:

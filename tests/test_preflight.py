@@ -23,10 +23,8 @@ from PIL import Image
 from detector.config import (
     AMPConfig,
     ConfigError,
-    check_output_dir,
     config_to_yaml,
     load_config,
-    resolve_amp,
     save_config,
 )
 from detector.data import (
@@ -40,7 +38,9 @@ from detector.data import (
 )
 from detector.data.voc import VOC_CLASSES
 from detector.data.loader import available_cpus, build_train_loader
+from detector.engine.amp import resolve_amp
 from detector.engine.log import setup_logging
+from detector.engine.run_folder import check_output_dir
 from conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,12 +29,12 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 # Allow `python tools/train.py` from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from detector.config import ConfigError, check_output_dir, load_config  # noqa: E402
+from detector.config import ConfigError, load_config  # noqa: E402
 from detector import distributed  # noqa: E402
 from detector.engine.checkpoint import CheckpointError  # noqa: E402
 from detector.engine.checkpointer import CheckpointWriteError  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
-from detector.engine.run_folder import RunFolder, RunFolderError  # noqa: E402
+from detector.engine.run_folder import RunFolder, RunFolderError, check_output_dir  # noqa: E402
 from detector.engine.trainer import EvaluationError, NonFiniteLossError, train  # noqa: E402
 from detector.modeling.weights import WeightsError  # noqa: E402
 

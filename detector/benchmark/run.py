@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from detector.config import Config, config_to_dict, resolve_amp
+from detector.config import Config, config_to_dict
+from detector.engine.amp import resolve_amp
 from detector.data import DataError, resolve_num_classes
 from detector.distributed import resolve_device
 

@@ -42,7 +42,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from detector.config import Config, resolve_amp
+from detector.config import Config
+from detector.engine.amp import resolve_amp
 from detector.distributed import all_gather_object, cuda_index_for_rank, resolve_backend, resolve_device
 from detector.engine.optim import build_lr_scheduler, build_optimizer
 from detector.engine.setup import configure_torch, prepare_model

@@ -10,7 +10,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from detector.config import AmpSettings, Config, resolve_amp
+from detector.config import Config
+from detector.engine.amp import AmpSettings, resolve_amp
 from detector.engine.optim import build_lr_scheduler, build_optimizer
 from detector.engine.setup import apply_speed_options as engine_speed_options, configure_torch, prepare_model
 from detector.engine.step import TrainStep

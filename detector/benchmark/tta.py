@@ -55,7 +55,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from detector.config import Config, resolve_amp
+from detector.config import Config
+from detector.engine.amp import resolve_amp
 from detector.data import build_dataset, resolve_num_classes
 from detector.data.loader import build_train_loader
 from detector.distributed import resolve_device, seed_everything

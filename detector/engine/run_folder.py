@@ -15,6 +15,9 @@
   and ``log.txt``, so old records never mix with new ones;
 - removes stale ``*.tmp`` files left by saves that were killed midway.
 
+``check_output_dir(path)`` is the check before any of that (and before the process
+group starts): the path can become a folder we may write into.
+
 Every rank calls ``open``; rank 0 decides and the other ranks get its decision (the
 error, or the checkpoint to resume from). The lock is released by ``close`` or when
 the process ends, however it ends.
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, List, Optional, Tuple
 
+from detector.config import ConfigError
 from detector.engine import checkpoint as ckpt
 from detector.distributed import all_gather_object
 
@@ -186,3 +190,25 @@ class RunFolder:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def check_output_dir(path: "str | os.PathLike", key: str = "train.output_dir") -> None:
+    """Check that ``path`` can be the run folder: it, and the nearest of its parents that
+    exists, must be folders we may write into. Nothing is created.
+
+    Raises:
+        ConfigError: one line naming ``key`` and the path that is in the way.
+    """
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.is_symlink():
+            raise ConfigError(f"config key '{key}': {probe} is a broken symbolic link")
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        what = "is a file" if probe == path else f"cannot be created: {probe} is a file"
+        raise ConfigError(f"config key '{key}': {path} {what}, not a folder")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"config key '{key}': {probe} is not writable")

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-# Mixed-precision settings come from ``detector.config.resolve_amp``, the one place that
+# Mixed-precision settings come from ``detector.engine.amp.resolve_amp``, the one place that
 # turns ``train.amp`` into them for a device.
-from detector.config import AmpSettings
+from detector.engine.amp import AmpSettings
 
 
 
@@ -64,7 +64,7 @@ class TrainStep:
         optimizer: its parameter groups hold every parameter to train.
         scheduler: stepped once per call (skipped steps included, so the schedule
             follows the iteration count).
-        amp: autocast settings (``detector.config.resolve_amp``).
+        amp: autocast settings (``detector.engine.amp.resolve_amp``).
         clip_grad_norm: max total L2 norm of the gradients; ``<= 0`` turns clipping off.
         world_size: processes in the default process group (> 1: the flags are all-reduced).
         scaler: a GradScaler to use (e.g. restored from a checkpoint); by default one is

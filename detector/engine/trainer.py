@@ -27,7 +27,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from detector.config import AmpSettings, Config, config_to_dict, config_to_yaml, resolve_amp, save_config
+from detector.config import Config, config_to_dict, config_to_yaml, save_config
+from detector.engine.amp import AmpSettings, resolve_amp
 from detector.data import build_dataset, check_data_paths, resolve_num_classes
 from detector.data.loader import build_train_loader
 from detector.engine import checkpoint as ckpt

@@ -15,8 +15,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 from torch import nn
 
-from ..config import amp_dtype as resolve_amp_dtype
-from ..distributed import all_gather_object, get_rank, get_world_size
+from ..distributed import all_gather_object, amp_dtype as resolve_amp_dtype, get_rank, get_world_size
 from .inference import LOSS_NAMES, array_to_detections, compute_val_loss, run_inference
 from .results import Detections
 from .scoring import ScoreReport, format_table, score_detections, write_outputs

@@ -1,0 +1,160 @@
+"""YAML loading with ``base:`` inheritance, ``key=value`` overrides, and writing the
+resolved config back.
+
+Resolution order, last wins: schema defaults, the chain of ``base:`` files (the
+deepest base first), the file itself, then the overrides in the order given. Each
+mapping is checked for unknown keys before it is merged; OmegaConf checks the types
+while merging (``OmegaConf.structured`` of the schema is strict).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from detector.messages import first_line
+
+from .schema import Config
+from .validation import ConfigError, auto_keys, check_keys, validate_config
+
+
+def _read_yaml(path: Path, seen: Tuple[Path, ...] = ()) -> List[Tuple[dict, str]]:
+    """Return the chain of YAML mappings to merge, the deepest ``base:`` first."""
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"config 'base:' chain has a cycle: {chain}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = data.pop("base", None)
+    chain: List[Tuple[dict, str]] = []
+    if base:
+        base_path = Path(base)
+        if not base_path.is_absolute():
+            base_path = path.parent / base_path
+        chain.extend(_read_yaml(base_path, (*seen, path)))
+    chain.append((data, str(path)))
+    return chain
+
+
+def _auto_to_none(data: dict) -> dict:
+    """``data`` with ``auto`` replaced by None at the keys that take it (in place)."""
+    for key in auto_keys():
+        *sections, leaf = key.split(".")
+        node: Any = data
+        for part in sections:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(leaf), str) and node[leaf].strip().lower() == "auto":
+            node[leaf] = None
+    return data
+
+
+def _parse_override(item: str) -> Tuple[str, Any]:
+    """``"a.b=value"`` -> ``("a.b", value)``, the value parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key=value")
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _nest(key: str, value: Any) -> dict:
+    """``("a.b", v)`` -> ``{"a": {"b": v}}``."""
+    out: Any = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def _merge(base: Any, data: dict, source: str) -> Any:
+    """OmegaConf's typed merge; a value of the wrong type is a one-line ConfigError."""
+    try:
+        return OmegaConf.merge(base, data)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        msg = first_line(exc)
+        raise ConfigError(f"{source}: bad value for config key '{key}': {msg}") from None
+
+
+def default_config() -> Config:
+    """The schema defaults."""
+    return Config()
+
+
+def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[List[str]] = None) -> Config:
+    """Load a YAML config (with its ``base:`` chain) and apply ``key=value`` overrides.
+
+    Args:
+        path: a YAML file, or None for the schema defaults.
+        overrides: e.g. ``["solver.lr=0.01", "model.backbone=resnet18"]``; values are
+            parsed as YAML (``[1,2]`` is a list, ``true`` a bool).
+
+    Raises:
+        ConfigError: unknown key (with the nearest valid key), wrong type, bad YAML,
+            a missing file, a ``base:`` cycle, or a value out of its range.
+    """
+    cfg = OmegaConf.structured(Config)
+    if path is not None:
+        for data, source in _read_yaml(Path(path)):
+            check_keys(data, source)
+            cfg = _merge(cfg, _auto_to_none(data), source)
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        nested = _nest(key, value)
+        check_keys(nested, "override")
+        cfg = _merge(cfg, _auto_to_none(nested), f"override '{item}'")
+    try:
+        out: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:  # e.g. a missing mandatory value
+        raise ConfigError(first_line(exc)) from None
+    validate_config(out)
+    return out
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """The config as plain Python data (for checkpoints and JSON)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a Config from ``config_to_dict`` output, checking keys and types."""
+    check_keys(data, "stored config")
+    cfg = _merge(OmegaConf.structured(Config), _auto_to_none(copy.deepcopy(data)), "stored config")
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The config as YAML; the keys that take ``auto`` read ``auto`` where unresolved."""
+    data = config_to_dict(cfg)
+    for key in auto_keys():
+        *sections, leaf = key.split(".")
+        node = data
+        for part in sections:
+            node = node[part]
+        if node[leaf] is None:
+            node[leaf] = "auto"
+    return OmegaConf.to_yaml(OmegaConf.create(data))
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (loadable again by ``load_config``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_to_yaml(cfg))

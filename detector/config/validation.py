@@ -1,0 +1,237 @@
+"""Checks of a config against the schema, each failure one line naming the key.
+
+In the order they run:
+
+1. keys (``check_keys``, on every YAML mapping and override before it is merged):
+   an unknown key names the nearest valid one;
+2. types: OmegaConf checks each value against the field's type while merging
+   (``detector.config.loading``);
+3. values (``validate_config``, on the merged config): every float finite, then the
+   ``choices`` and the bounds that ``detector.config.schema`` keeps next to each field,
+   then the rules that look inside lists or tie keys together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from .schema import Config
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema."""
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _valid_keys(schema: Any, prefix: str = "") -> List[str]:
+    """All dotted keys of a dataclass schema (leaves and sections)."""
+    keys = []
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        value = getattr(schema, f.name)
+        if dataclasses.is_dataclass(value):
+            keys.extend(_valid_keys(value, key + "."))
+    return keys
+
+
+def _list_item_schema(section: Any, name: str) -> Optional[type]:
+    """The dataclass of the items of ``section.name`` when that key is a list of
+    sections (``solver.param_groups``), else None."""
+    hint = typing.get_type_hints(type(section)).get(name)
+    args = typing.get_args(hint) if typing.get_origin(hint) in (list, List) else ()
+    return args[0] if args and dataclasses.is_dataclass(args[0]) else None
+
+
+def _unknown_key_error(key: str, schema: Any = None, prefix: str = "") -> ConfigError:
+    """An error naming ``key`` and the nearest valid key (``schema`` is the section that
+    lacks it, ``prefix`` that section's dotted name)."""
+    valid = _valid_keys(Config())
+    if schema is not None and prefix.endswith("]."):  # an item of a list of sections
+        valid = [prefix + k for k in _valid_keys(schema)]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not close:
+        # Compare the last component within the same section too.
+        section, _, leaf = key.rpartition(".")
+        siblings = [k.rpartition(".")[2] for k in valid if k.rpartition(".")[0] == section]
+        near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
+        close = [f"{section}.{near[0]}" if section else near[0]] if near else []
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def check_keys(data: Any, source: str, schema: Any = None, prefix: str = "") -> None:
+    """Raise ConfigError for the first key of the mapping ``data`` that the schema lacks
+    (``schema``: the section ``data`` fills, by default the whole ``Config``; ``source``:
+    the file or override, named first in the message)."""
+    if not isinstance(data, dict):
+        return
+    schema = Config() if schema is None else schema
+    names = {f.name for f in dataclasses.fields(schema)}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{source}: {_unknown_key_error(dotted, schema, prefix)}")
+        sub = getattr(schema, key)
+        item = _list_item_schema(schema, key)
+        if dataclasses.is_dataclass(sub):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{source}: config key '{dotted}' is a section; got {value!r}")
+            check_keys(value, source, sub, dotted + ".")
+        elif item is not None and isinstance(value, list):
+            example = ", ".join(f"{f.name}: ..." for f in dataclasses.fields(item)[:2])
+            for i, rule in enumerate(value):
+                if not isinstance(rule, dict):
+                    raise ConfigError(f"{source}: '{dotted}[{i}]' must be a mapping like {{{example}}}")
+                check_keys(rule, source, item(), f"{dotted}[{i}].")
+
+
+def auto_keys(schema: Any = None, prefix: str = "") -> List[str]:
+    """The dotted keys that take ``auto`` (stored as None), from the schema's metadata."""
+    schema = Config() if schema is None else schema
+    keys = []
+    for f in dataclasses.fields(schema):
+        value = getattr(schema, f.name)
+        if dataclasses.is_dataclass(value):
+            keys.extend(auto_keys(value, f"{prefix}{f.name}."))
+        elif f.metadata.get("auto"):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+# --------------------------------------------------------------------------- values
+
+
+def _fields(cfg: Any, prefix: str = "") -> Iterator[Tuple[str, Any, Mapping[str, Any]]]:
+    """``(dotted key, value, field metadata)`` of every leaf key, in schema order."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _fields(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value, f.metadata
+
+
+def range_text(meta: Mapping[str, Any], integer: bool = False) -> str:
+    """The bounds of a field's metadata in words: ``>= 1``, ``in (0, 1]``, ``in 0..5``
+    (both ends of an integer range), then the note. "" for a key without bounds."""
+    lower = ("[", meta["ge"]) if meta.get("ge") is not None else ("(", meta["gt"]) if meta.get("gt") is not None else None
+    upper = (meta["le"], "]") if meta.get("le") is not None else (meta["lt"], ")") if meta.get("lt") is not None else None
+    if lower and upper:
+        closed = lower[0] == "[" and upper[1] == "]"
+        text = f"in {lower[1]}..{upper[0]}" if integer and closed else f"in {lower[0]}{lower[1]}, {upper[0]}{upper[1]}"
+    elif lower:
+        text = f"{'>=' if lower[0] == '[' else '>'} {lower[1]}"
+    elif upper:
+        text = f"{'<=' if upper[1] == ']' else '<'} {upper[0]}"
+    else:
+        return ""
+    return f"{text} {meta['note']}" if meta.get("note") else text
+
+
+def _in_range(value: float, meta: Mapping[str, Any]) -> bool:
+    ge, gt, le, lt = (meta.get(k) for k in ("ge", "gt", "le", "lt"))
+    return ((ge is None or value >= ge) and (gt is None or value > gt)
+            and (le is None or value <= le) and (lt is None or value < lt))
+
+
+def _check_finite(value: Any, key: str) -> None:
+    """Raise ConfigError for the first NaN or infinite float in ``value`` (a config
+    section, a list or a number); ``key`` is its dotted name."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _check_finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key '{key}' is {value}; it must be a finite number")
+
+
+def validate_config(cfg: Config) -> None:
+    """Check values the type system cannot: every float finite, choices, ranges,
+    consistent lengths. The first problem raises a one-line ``ConfigError`` naming the key."""
+    _check_finite(cfg, "")
+    leaves = list(_fields(cfg))
+    for key, value, meta in leaves:
+        choices = meta.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(f"config key '{key}' is {value!r}; expected one of {', '.join(choices)}")
+    for key, value, meta in leaves:
+        what = range_text(meta, integer=type(value) is int)
+        if what and value is not None and not _in_range(value, meta):
+            raise ConfigError(f"config key '{key}' must be {what}, got {value}")
+    _check_model_keys(cfg)
+    _check_recipe_keys(cfg)
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def _check_model_keys(cfg: Config) -> None:
+    """``validate_config``'s rules for ``model.*`` lists (and ``train.compile_backbone``,
+    which needs fixed canvases)."""
+    model = cfg.model
+    if len(model.pixel_mean) != 3 or len(model.pixel_std) != 3:
+        raise ConfigError("config keys 'model.pixel_mean' and 'model.pixel_std' need 3 values (RGB)")
+    if any(s <= 0 for s in model.pixel_std):
+        raise ConfigError(f"config key 'model.pixel_std' must be positive, got {model.pixel_std}")
+    d = model.size_divisibility
+    for canvas in model.canvas_sizes:
+        if len(canvas) != 2 or any(v <= 0 or v % d for v in canvas):
+            raise ConfigError(
+                f"config key 'model.canvas_sizes' takes [height, width] pairs that are positive multiples of "
+                f"model.size_divisibility ({d}), got {canvas}"
+            )
+    if cfg.train.compile_backbone and not model.canvas_sizes:
+        raise ConfigError(
+            "config key 'train.compile_backbone' needs 'model.canvas_sizes' (fixed batch shapes): without them every "
+            "new batch size recompiles, measured slower than eager on the CPU and on an H100 (docs/performance.md)"
+        )
+    if not model.return_stages or any(s not in (1, 2, 3, 4) for s in model.return_stages):
+        raise ConfigError(f"config key 'model.return_stages' takes stages from 1..4, got {model.return_stages}")
+    n_levels = len(model.return_stages) + 1  # + the max-pool level
+    if len(model.anchors.sizes) != n_levels:
+        raise ConfigError(
+            f"config key 'model.anchors.sizes' has {len(model.anchors.sizes)} levels but the FPN gives "
+            f"{n_levels} (model.return_stages + 1 pooled level)"
+        )
+    anchors: Dict[str, Any] = {"model.anchors.sizes": model.anchors.sizes,
+                               "model.anchors.aspect_ratios": model.anchors.aspect_ratios}
+    for key, values in anchors.items():
+        flat = [v for level in values for v in level] if key.endswith("sizes") else list(values)
+        if not flat or any(v <= 0 for v in flat):
+            raise ConfigError(f"config key '{key}' needs positive values, got {values}")
+
+
+def _check_recipe_keys(cfg: Config) -> None:
+    """``validate_config``'s rules for the sampler, data, input and solver keys."""
+    p = cfg.rpn.positive_weight
+    if not (p == -1.0 or 0.0 < p < 1.0):
+        raise ConfigError(f"config key 'rpn.positive_weight' must be -1 (uniform) or in (0, 1), got {p}")
+    if cfg.data.num_workers > 0 and cfg.data.prefetch_factor < 1:
+        raise ConfigError(
+            f"config key 'data.prefetch_factor' must be >= 1 with data.num_workers={cfg.data.num_workers}, "
+            f"got {cfg.data.prefetch_factor}"
+        )
+    if not cfg.input.min_size_train or any(s < 1 for s in cfg.input.min_size_train):
+        raise ConfigError(f"config key 'input.min_size_train' needs at least one size >= 1, got {cfg.input.min_size_train}")
+    if any(s < 1 for s in cfg.solver.steps):
+        raise ConfigError(f"config key 'solver.steps' takes iterations >= 1, got {cfg.solver.steps}")
+    if len(cfg.solver.betas) != 2 or not all(0 <= b < 1 for b in cfg.solver.betas):
+        raise ConfigError(f"config key 'solver.betas' needs two values in [0, 1), got {cfg.solver.betas}")
+    for i, rule in enumerate(cfg.solver.param_groups):
+        if rule.lr_mult < 0 or rule.weight_decay_mult < 0:
+            raise ConfigError(f"config key 'solver.param_groups[{i}]' needs lr_mult and weight_decay_mult >= 0")
+    if cfg.data.label_space == "category_id" and cfg.data.format == "voc":
+        raise ConfigError("config key 'data.label_space' is 'category_id', which needs COCO-format data "
+                          "(data.format coco or shapes); VOC has no category ids: use contiguous")
+    if len(set(cfg.data.class_names)) != len(cfg.data.class_names):
+        dup = next(n for n in cfg.data.class_names if cfg.data.class_names.count(n) > 1)
+        raise ConfigError(f"config key 'data.class_names' names {dup!r} twice")
