@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,42 @@ def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
     assert cfg.solver.max_iter > 0
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("solver.steps={a: 1}", "solver.steps"),
+        ("model.anchors.sizes=[[32],{a: 1}]", "model.anchors.sizes"),
+        ("solver.param_groups={match: backbone}", "solver.param_groups"),
+    ],
+)
+def test_a_mapping_for_a_list_key_names_the_key(override, key):
+    """A mapping where a list belongs was a TypeError from OmegaConf's merge (or a later
+    comparison); it is one line naming the key."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert f"config key '{key}' takes a list" in msg and "\n" not in msg
+
+
+def _bounded_keys(section, prefix=""):
+    """(dotted key, field metadata) of every key whose field carries bounds."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _bounded_keys(value, f"{prefix}{f.name}.")
+        elif any(f.metadata.get(b) is not None for b in ("ge", "gt", "le", "lt")):
+            yield f"{prefix}{f.name}", f.metadata
+
+
+def test_every_bound_next_to_a_field_is_enforced():
+    """Just outside each bound of the schema: one line naming the key and the range."""
+    keys = list(_bounded_keys(Config()))
+    assert len(keys) >= 55  # the old range table's rows, and more
+    for key, meta in keys:
+        outside = [meta["ge"] - 1 if meta["ge"] is not None else None, meta["gt"],
+                   meta["le"] + 1 if meta["le"] is not None else None, meta["lt"]]
+        for bad in (v for v in outside if v is not None):
+            with pytest.raises(ConfigError, match=rf"^config key '{re.escape(key)}' must be .*, got "):
+                load_config(None, [f"{key}={bad}"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import typing
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -41,11 +42,20 @@ def _valid_keys(schema: Any, prefix: str = "") -> List[str]:
     return keys
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(section_type: type) -> Dict[str, Any]:
+    return typing.get_type_hints(section_type)
+
+
+def _is_list(section: Any, name: str) -> bool:
+    """Whether the key ``section.name`` takes a list."""
+    return typing.get_origin(_type_hints(type(section)).get(name)) in (list, List)
+
+
 def _list_item_schema(section: Any, name: str) -> Optional[type]:
     """The dataclass of the items of ``section.name`` when that key is a list of
     sections (``solver.param_groups``), else None."""
-    hint = typing.get_type_hints(type(section)).get(name)
-    args = typing.get_args(hint) if typing.get_origin(hint) in (list, List) else ()
+    args = typing.get_args(_type_hints(type(section)).get(name)) if _is_list(section, name) else ()
     return args[0] if args and dataclasses.is_dataclass(args[0]) else None
 
 
@@ -84,12 +94,18 @@ def check_keys(data: Any, source: str, schema: Any = None, prefix: str = "") -> 
             if value is not None and not isinstance(value, dict):
                 raise ConfigError(f"{source}: config key '{dotted}' is a section; got {value!r}")
             check_keys(value, source, sub, dotted + ".")
-        elif item is not None and isinstance(value, list):
+        elif item is not None and isinstance(value, (list, dict)):
             example = ", ".join(f"{f.name}: ..." for f in dataclasses.fields(item)[:2])
+            if isinstance(value, dict):
+                raise ConfigError(f"{source}: config key '{dotted}' takes a list of mappings like [{{{example}}}]; "
+                                  f"got {value!r}")
             for i, rule in enumerate(value):
                 if not isinstance(rule, dict):
                     raise ConfigError(f"{source}: '{dotted}[{i}]' must be a mapping like {{{example}}}")
                 check_keys(rule, source, item(), f"{dotted}[{i}].")
+        elif _is_list(schema, key) and (isinstance(value, dict) or (
+                isinstance(value, list) and any(isinstance(v, dict) for v in value))):
+            raise ConfigError(f"{source}: config key '{dotted}' takes a list of values, not mappings; got {value!r}")
 
 
 def auto_keys(schema: Any = None, prefix: str = "") -> List[str]:
