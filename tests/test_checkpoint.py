@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from detector.engine.checkpoint import (
+from detector.engine.checkpointing import (
     CheckpointError,
     find_resume_checkpoint,
     get_rng_state,
@@ -52,7 +52,7 @@ def test_writer_killed_mid_save_leaves_previous_file(tmp_path):
     the next one: the first last.pth must still load, intact."""
     script = textwrap.dedent(f"""
         import os, signal, torch
-        import detector.engine.checkpoint as ck
+        import detector.engine.checkpointing as ck
         path = {str(tmp_path / 'last.pth')!r}
         ck.save_checkpoint(path, {{"model": {{"w": torch.ones(1000)}}, "iteration": 1}})
         real_save = torch.save

@@ -27,8 +27,7 @@ WORKER = textwrap.dedent("""
     from detector.config import load_config
     from detector.distributed import init_distributed
     from detector.engine.log import setup_logging
-    from detector.engine.trainer import Trainer
-    from detector.modeling import build_model
+    from detector.engine.trainer import build_trainer
 
     side, out, *overrides = sys.argv[1:]
     info = init_distributed("cpu")
@@ -36,7 +35,9 @@ WORKER = textwrap.dedent("""
     out_rank = out if info.rank == 0 else out + "_rank1"
     cfg = load_config({config!r}, overrides + [f"train.output_dir={{out_rank}}"])
     setup_logging(cfg.train.output_dir, info.rank)
-    model = build_model(cfg)
+    trainer = build_trainer(cfg, dist_info=info)
+    assert isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
+    model = trainer.model_without_ddp
     seen = []
     forward = model.forward
 
@@ -48,8 +49,6 @@ WORKER = textwrap.dedent("""
         return out
 
     model.forward = recording_forward
-    trainer = Trainer(cfg, dist_info=info, model=model)
-    assert isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
     result = trainer.train()
     trainer.close()
     # Parameters (BatchNorm running statistics are per rank until DDP's next broadcast).

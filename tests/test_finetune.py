@@ -16,7 +16,7 @@ import torch
 from detector.config import load_config
 from detector.distributed import seed_everything
 from detector.engine.optim import build_optimizer
-from detector.engine.trainer import Trainer
+from detector.engine.trainer import build_trainer
 from detector.modeling.weights import WeightsError, load_initial_weights
 from detector.modeling import build_model
 from conftest import TINY_CONFIG, tiny_config
@@ -35,7 +35,7 @@ def test_checkpoint_of_other_class_count_keeps_fresh_predictor(tmp_path, caplog)
     data = tmp_path / "shapes"
     # A source model of another class count: two of the shapes' three classes.
     src_cfg = _tiny(data, tmp_path / "src", "model.num_classes=2", "data.class_names=[circle,triangle]")
-    src = Trainer(src_cfg)
+    src = build_trainer(src_cfg)
     src.train()
     src.close()
     ckpt = tmp_path / "src" / "checkpoints" / "last.pth"
@@ -43,7 +43,7 @@ def test_checkpoint_of_other_class_count_keeps_fresh_predictor(tmp_path, caplog)
 
     cfg = _tiny(data, tmp_path / "ft", f"model.weights={ckpt}", "model.num_classes=3")
     with caplog.at_level(logging.INFO, logger="detector"):
-        t = Trainer(cfg)
+        t = build_trainer(cfg)
     state = t.model_without_ddp.state_dict()
     body = [k for k in state if k.startswith(("backbone.", "rpn."))]
     assert body and all(torch.equal(state[k], source[k]) for k in body)

@@ -12,19 +12,18 @@ import pytest
 import torch
 from torch import nn
 
-from detector.engine.checkpointer import Checkpointer, CheckpointWriteError
+from detector.engine.checkpointing import Checkpointer, CheckpointWriteError
 from detector.engine.hooks import (
     EvalHook,
     EvaluationError,
-    EventWriters,
-    LoopState,
     MetricsWriter,
     NonFiniteGuard,
     NonFiniteLossError,
     PeriodicCheckpointer,
     SignalHook,
 )
-from detector.engine.log import JSONLWriter, read_jsonl
+from detector.engine.log import EventWriters, JSONLWriter, read_jsonl
+from detector.engine.train_loop import LoopState
 from detector.engine.step import StepResult
 
 NAMES = ("total_loss", "loss_a", "loss_b")

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from detector.engine.checkpoint import save_checkpoint
+from detector.engine.checkpointing import save_checkpoint
 from detector.engine.run_folder import RunFolder, RunFolderError
 
 

@@ -96,12 +96,12 @@ def test_tool_writes_json(tmp_path, capsys):
 def test_training_writes_summary_next_to_config(tmp_path, caplog):
     """The trainer logs the summary once at set-up (rank 0) and writes summary.json next
     to config.yaml, with the numbers of the model it trains at the config's test size."""
-    from detector.engine.trainer import Trainer
+    from detector.engine.trainer import build_trainer
 
     out = tmp_path / "run"
     cfg = tiny_config(tmp_path / "data", out, "solver.max_iter=1")
     with caplog.at_level("INFO", logger="detector.engine.trainer"):
-        trainer = Trainer(cfg)
+        trainer = build_trainer(cfg)
     try:
         model = trainer.model_without_ddp
         data = json.loads((out / "summary.json").read_text())

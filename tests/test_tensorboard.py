@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from detector.engine.log import read_jsonl
-from detector.engine.trainer import Trainer
+from detector.engine.trainer import build_trainer
 from conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ def test_event_files_hold_scalars_images_and_config(tmp_path):
         "train.deterministic=false",
         "train.eval_period=0", "train.vis_images=2", "train.tensorboard=true", "eval.images_per_gpu=3",
     )
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     result = trainer.train()
     trainer.close()
     assert result.iteration == 2 and "AP" in result.metrics

@@ -22,12 +22,13 @@ import pytest
 import torch
 from torch import nn
 
-from detector.engine.checkpoint import load_checkpoint
-from detector.engine.hooks import HookBase
+from detector.engine.checkpointing import Checkpointer, load_checkpoint
+from detector.engine.hooks import NonFiniteLossError, PeriodicCheckpointer
 from detector.engine.log import read_jsonl
 from detector.engine.run_folder import RunFolderError
 from detector.engine.setup import apply_norm_policy
-from detector.engine.trainer import NonFiniteLossError, Trainer
+from detector.engine.train_loop import HookBase, Trainer
+from detector.engine.trainer import build_trainer
 from detector.modeling import build_model
 from conftest import TINY_CONFIG, load_tool, tiny_config, tiny_overrides
 
@@ -41,6 +42,10 @@ def data_root(tmp_path_factory) -> Path:
 
 def weights(trainer: Trainer) -> dict:
     return {k: v.clone() for k, v in trainer.model_without_ddp.state_dict().items()}
+
+
+def checkpointer(trainer: Trainer) -> Checkpointer:
+    return next(h.checkpointer for h in trainer.hooks if isinstance(h, PeriodicCheckpointer))
 
 
 class SignalAt(HookBase):
@@ -59,19 +64,19 @@ def test_exact_resume_matches_straight_run(data_root, tmp_path):
     # Random flips and sizes: augmentation depends only on (seed, epoch, sample index).
     aug = ["input.hflip_prob=0.5", "input.min_size_train=[56,64,72]"]
     # Straight: 6 iterations (4 batches per epoch: crosses an epoch boundary).
-    a = Trainer(tiny_config(data_root, tmp_path / "a", *aug))
+    a = build_trainer(tiny_config(data_root, tmp_path / "a", *aug))
     res = a.train()
     a.close()
     assert res.status == "finished" and res.iteration == 6
     # Interrupted at 5 with a checkpoint at 3, resumed from iteration 3 (mid-epoch).
     cfg_b = tiny_config(data_root, tmp_path / "b", "train.checkpoint_period=3", *aug)
-    b = Trainer(cfg_b)
+    b = build_trainer(cfg_b)
     b.hooks.append(SignalAt(4))
     res = b.train()
     b.close()
     assert res.status == "interrupted" and res.iteration == 5
     assert [r["iteration"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")] == [1, 2, 3, 4, 5]
-    b2 = Trainer(cfg_b, resume=str(tmp_path / "b" / "checkpoints" / "iter_0000003.pth"))
+    b2 = build_trainer(cfg_b, resume=str(tmp_path / "b" / "checkpoints" / "iter_0000003.pth"))
     assert (b2.iteration, b2.epoch, b2.epoch_position) == (3, 0, 3)
     res = b2.train()
     b2.close()
@@ -94,18 +99,18 @@ def test_exact_resume_matches_straight_run(data_root, tmp_path):
 def test_auto_resume_and_missing_checkpoint(data_root, tmp_path, caplog):
     cfg = tiny_config(data_root, tmp_path / "r", "solver.max_iter=2")
     with caplog.at_level(logging.INFO, logger="detector.engine"):
-        t = Trainer(cfg, resume=True)  # nothing to resume: starts fresh, and says so
+        t = build_trainer(cfg, resume=True)  # nothing to resume: starts fresh, and says so
     assert t.iteration == 0 and "no checkpoint to continue" in caplog.text and "starting a fresh run" in caplog.text
     t.train()
     t.close()
     cfg = tiny_config(data_root, tmp_path / "r", "solver.max_iter=3")
-    t = Trainer(cfg, resume=True)
+    t = build_trainer(cfg, resume=True)
     assert t.iteration == 2
     t.train()
     t.close()
     assert [r["iteration"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == [1, 2, 3]
     with pytest.raises(RunFolderError, match="checkpoint not found: .*nope.pth"):
-        Trainer(cfg, resume=str(tmp_path / "nope.pth"))
+        build_trainer(cfg, resume=str(tmp_path / "nope.pth"))
 
 
 def _inject_nan(model: nn.Module, bad_iterations: set) -> nn.Module:
@@ -128,9 +133,8 @@ def _inject_nan(model: nn.Module, bad_iterations: set) -> nn.Module:
 
 def test_nan_loss_is_skipped_and_logged(data_root, tmp_path, caplog):
     cfg = tiny_config(data_root, tmp_path / "n", "solver.max_iter=4")
-    torch.manual_seed(0)
-    model = _inject_nan(build_model(cfg), {2})
-    t = Trainer(cfg, model=model)
+    t = build_trainer(cfg)
+    _inject_nan(t.model_without_ddp, {2})
     with caplog.at_level(logging.WARNING, logger="detector.engine"):
         res = t.train()
     t.close()
@@ -145,9 +149,8 @@ def test_nan_loss_is_skipped_and_logged(data_root, tmp_path, caplog):
 def test_k_nonfinite_in_a_row_stop_with_loadable_checkpoint(data_root, tmp_path, period):
     cfg = tiny_config(data_root, tmp_path / "k", "solver.max_iter=20", "train.max_nonfinite_steps=3",
                    f"train.checkpoint_period={period}")
-    torch.manual_seed(0)
-    model = _inject_nan(build_model(cfg), set(range(4, 100)))
-    t = Trainer(cfg, model=model)
+    t = build_trainer(cfg)
+    _inject_nan(t.model_without_ddp, set(range(4, 100)))
     with pytest.raises(NonFiniteLossError) as e:
         t.train()
     t.close()
@@ -170,22 +173,22 @@ def test_amp_steps_and_scaler_survives_resume(data_root, tmp_path, dtype):
     device = "train.device=cuda" if dtype == "float16" else "train.device=cpu"
     cfg = tiny_config(data_root, tmp_path / dtype, "solver.max_iter=2", "train.amp.enabled=true", f"train.amp.dtype={dtype}",
                       "solver.images_per_gpu=1", "solver.reference_batch_size=1", device)
-    t = Trainer(cfg)
+    t = build_trainer(cfg)
     res = t.train()
     assert res.iteration == 2
     recs = read_jsonl(tmp_path / dtype / "metrics.jsonl")
     assert all(math.isfinite(r["total_loss"]) for r in recs)
-    assert t.scaler.is_enabled() == (dtype == "float16")
+    assert t.step.scaler.is_enabled() == (dtype == "float16")
     if dtype == "float16":
         assert "amp_scale" in recs[-1]
-        t.scaler.update(new_scale=1234.0)  # a scale the default would never give
-        t.checkpointer.save(["last.pth"], t.iteration)
+        t.step.scaler.update(new_scale=1234.0)  # a scale the default would never give
+        checkpointer(t).save(["last.pth"], t.iteration)
         t.close()
-        t2 = Trainer(tiny_config(data_root, tmp_path / dtype, "solver.max_iter=3", "train.amp.enabled=true",
+        t2 = build_trainer(tiny_config(data_root, tmp_path / dtype, "solver.max_iter=3", "train.amp.enabled=true",
                                  "train.amp.dtype=float16", "solver.images_per_gpu=1", "solver.reference_batch_size=1",
                                  device),
                      resume=True)
-        assert t2.scaler.get_scale() == 1234.0
+        assert t2.step.scaler.get_scale() == 1234.0
         t2.train()
         t2.close()
     else:
@@ -195,7 +198,7 @@ def test_amp_steps_and_scaler_survives_resume(data_root, tmp_path, dtype):
 def test_syncbn_on_cpu_falls_back_to_bn_with_warning(data_root, tmp_path, caplog):
     cfg = tiny_config(data_root, tmp_path / "s", "model.norm=syncbn", "model.freeze_at=1", "solver.max_iter=1")
     with caplog.at_level(logging.WARNING, logger="detector.engine"):
-        t = Trainer(cfg)
+        t = build_trainer(cfg)
     assert "SyncBatchNorm needs CUDA" in caplog.text
     assert not any(isinstance(m, nn.SyncBatchNorm) for m in t.model.modules())
     assert any(isinstance(m, nn.BatchNorm2d) for m in t.model.modules())
@@ -222,7 +225,7 @@ def test_syncbn_conversion_keeps_frozen_bn(data_root, tmp_path):
 @pytest.mark.gpu
 def test_syncbn_single_gpu_step(data_root, tmp_path):
     cfg = tiny_config(data_root, tmp_path / "g", "model.norm=syncbn", "train.device=cuda", "solver.max_iter=2")
-    t = Trainer(cfg)
+    t = build_trainer(cfg)
     assert t.train().iteration == 2
     t.close()
 
@@ -304,7 +307,7 @@ def assert_one_error_line(err: str, *parts: str) -> None:
 
 def test_busy_folder_is_refused_and_the_first_run_finishes_untouched(data_root, tmp_path, cli):
     out = tmp_path / "run"
-    first = Trainer(tiny_config(data_root, out, "solver.max_iter=3"))
+    first = build_trainer(tiny_config(data_root, out, "solver.max_iter=3"))
     config_text = (out / "config.yaml").read_text()
     rc, err = cli(*cli_args(data_root, out, "solver.max_iter=2"))
     assert rc == 1 and len(err.strip().splitlines()) == 1
@@ -357,7 +360,7 @@ def test_diverged_run_names_a_finite_checkpoint_that_resumes(data_root, tmp_path
     out = tmp_path / "lr"
     cfg = tiny_config(data_root, out, "solver.lr=1e6", "solver.max_iter=20", "solver.warmup_iters=2",
                    "train.checkpoint_period=1", "train.max_nonfinite_steps=3")
-    t = Trainer(cfg)
+    t = build_trainer(cfg)
     with pytest.raises(NonFiniteLossError) as e:
         t.train()
     t.close()
@@ -370,7 +373,7 @@ def test_diverged_run_names_a_finite_checkpoint_that_resumes(data_root, tmp_path
     assert all(torch.isfinite(v).all() for v in tensors if v.is_floating_point())
     # Resume from it with a sane LR: it trains on, with finite losses.
     start = state["iteration"]
-    t = Trainer(tiny_config(data_root, out, "solver.lr=0.02", f"solver.max_iter={start + 3}", "solver.warmup_iters=2",
+    t = build_trainer(tiny_config(data_root, out, "solver.lr=0.02", f"solver.max_iter={start + 3}", "solver.warmup_iters=2",
                          "train.checkpoint_period=0"), resume=named.group(1))
     res = t.train()
     t.close()

@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from detector.config import ConfigError, load_config  # noqa: E402
 from detector import distributed  # noqa: E402
-from detector.engine.checkpoint import CheckpointError  # noqa: E402
-from detector.engine.checkpointer import CheckpointWriteError  # noqa: E402
+from detector.engine.checkpointing import CheckpointError, CheckpointWriteError  # noqa: E402
+from detector.engine.hooks import EvaluationError, NonFiniteLossError  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
 from detector.engine.run_folder import RunFolder, RunFolderError, check_output_dir  # noqa: E402
-from detector.engine.trainer import EvaluationError, NonFiniteLossError, train  # noqa: E402
+from detector.engine.trainer import train  # noqa: E402
 from detector.modeling.weights import WeightsError  # noqa: E402
 
 # Expected failures: one line on stderr, exit status 1, the traceback in log.txt only.

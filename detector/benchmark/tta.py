@@ -4,7 +4,7 @@ both scored by the same evaluator.
 
 The two runs, one after the other in this process, on the same device and AMP setting:
 
-- ``ours``: the engine's real training path, :class:`detector.engine.trainer.Trainer`
+- ``ours``: the engine's real training path, :func:`detector.engine.trainer.build_trainer`
   with the config's model, optimizer, schedule, gradient clipping and augmentation.
   A :class:`BudgetHook` asks the loop to stop when the budget is spent. Periodic
   evaluation and periodic checkpoints are turned off (their time is not training
@@ -60,10 +60,11 @@ from detector.engine.amp import resolve_amp
 from detector.data import build_dataset, resolve_num_classes
 from detector.data.loader import build_train_loader
 from detector.distributed import resolve_device, seed_everything
-from detector.engine.hooks import HookBase, LoopState, NonFiniteLossError
+from detector.engine.hooks import NonFiniteLossError
 from detector.engine.optim import scaled_lr
 from detector.engine.setup import configure_torch
-from detector.engine.trainer import Trainer
+from detector.engine.train_loop import HookBase, LoopState
+from detector.engine.trainer import build_trainer
 from detector.evaluation import evaluate
 
 from .batches import cycle_epochs
@@ -194,7 +195,7 @@ def train_ours(cfg: Config, budget_s: float, output_dir: str) -> Tuple[Optional[
     load_start = _loadavg()
     deadline = Deadline(budget_s)
     hook = BudgetHook(deadline)
-    trainer = Trainer(cfg, overwrite=True)
+    trainer = build_trainer(cfg, overwrite=True)
     trainer.hooks.append(hook)
     model: Optional[nn.Module] = trainer.model_without_ddp
     try:
@@ -206,9 +207,9 @@ def train_ours(cfg: Config, budget_s: float, output_dir: str) -> Tuple[Optional[
         iterations, stopped_by, model = trainer.iteration, f"non-finite loss: {exc}", None
     finally:
         trainer.close()
-    lr_last = float(trainer.scheduler.get_last_lr()[0])
+    lr_last = float(trainer.step.scheduler.get_last_lr()[0])
     recipe = {
-        "step": "detector.engine.trainer.Trainer (TrainStep and hooks)",
+        "step": "detector.engine.trainer.build_trainer (Trainer, TrainStep and hooks)",
         "optimizer": cfg.solver.optimizer,
         "lr": scaled_lr(cfg, 1),
         "schedule": f"{cfg.solver.schedule}, warm-up {cfg.solver.warmup_iters} iterations from "

@@ -8,9 +8,11 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -173,3 +175,23 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self.writer.close()
+
+
+@dataclass
+class EventWriters:
+    """Where records go (rank 0; None elsewhere or when turned off)."""
+
+    jsonl: Optional[JSONLWriter] = None
+    tb: Optional[TensorBoardWriter] = None
+
+    def write(self, record: Dict[str, Any], scalars: Dict[str, float], step: int) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(record)
+        if self.tb is not None:
+            self.tb.scalars({k: v for k, v in scalars.items() if math.isfinite(v)}, step)
+
+    def close(self) -> None:
+        """Close the TensorBoard writer (the JSONL file is closed after every record)."""
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None

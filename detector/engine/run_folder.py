@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO, Any, List, Optional, Tuple
 
 from detector.config import ConfigError
-from detector.engine import checkpoint as ckpt
+from detector.engine import checkpointing as ckpt
 from detector.distributed import all_gather_object
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,215 @@
+"""Evaluation during training: ``EvalHook`` (periodic and final evaluation, ``best.pth``),
+``Validator`` (the evaluation it runs: the val split, reports and images to
+TensorBoard) and ``log_detections``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from detector.config import Config
+from detector.data import build_dataset
+from detector.distributed import all_gather_object
+from detector.engine.checkpointing import Checkpointer
+from detector.engine.log import EventWriters, TensorBoardWriter
+from detector.engine.amp import AmpSettings
+from detector.engine.train_loop import HookBase, LoopState
+from detector.evaluation import evaluate as default_evaluate
+from detector.evaluation.draw import draw_detections
+from detector.evaluation.tensorboard import write_report
+from detector.messages import typed_first_line
+
+logger = logging.getLogger(__name__)
+
+
+class EvaluationError(RuntimeError):
+    """The final evaluation failed (the final checkpoint is saved): one line."""
+
+
+class EvalHook(HookBase):
+    """Evaluates every ``period`` iterations (``0``: only at the end, ``< 0``: never)
+    and at the end of a finished run; keeps ``best.pth`` at the best ``best_metric``.
+
+    A failing evaluation (any exception inside ``evaluate``) is one error line naming
+    the checkpoint to evaluate later; training goes on after a periodic one, and a
+    failed final evaluation raises ``EvaluationError`` (the run exits non-zero) after
+    the final checkpoint was written.
+
+    Args:
+        evaluate: ``evaluate(iteration) -> metrics`` (rank 0's metrics; ``{}`` elsewhere).
+        checkpointer: writes ``best.pth``.
+        period: ``train.eval_period``.
+        best_metric: ``train.best_metric``, larger is better.
+        best_value: the best value so far (from a resumed checkpoint).
+        writers: eval records go to JSONL (``type: eval``) and TensorBoard (``eval/<k>``).
+        eval_command: how to evaluate a checkpoint by hand; ``{weights}`` is replaced.
+    """
+
+    def __init__(
+        self,
+        evaluate: Callable[[int], Dict[str, float]],
+        checkpointer: Checkpointer,
+        period: int,
+        best_metric: str,
+        writers: EventWriters,
+        best_value: Optional[float] = None,
+        eval_command: str = "python tools/eval.py --weights {weights}",
+        is_main: bool = True,
+        world_size: int = 1,
+    ) -> None:
+        self.evaluate = evaluate
+        self.checkpointer = checkpointer
+        self.period = period
+        self.best_metric = best_metric
+        self.writers = writers
+        self.best_value = best_value
+        self.eval_command = eval_command
+        self.is_main = is_main
+        self.world_size = world_size
+        self.last_metrics: Dict[str, float] = {}
+
+    def after_step(self, state: LoopState) -> None:
+        if self.period > 0 and state.iteration % self.period == 0 and state.iteration < state.max_iter \
+                and not state.stopping:
+            self.run(state.iteration)
+            state.metrics = dict(self.last_metrics)
+
+    def after_train(self, state: LoopState) -> None:
+        if state.status == "finished" and self.period >= 0:
+            error = self.run(state.iteration)
+            state.metrics = dict(self.last_metrics)
+            if error is not None:
+                raise EvaluationError(error)
+
+    def run(self, iteration: int) -> Optional[str]:
+        """Evaluate and keep the best; returns the one-line error of a failure, else None."""
+        t0 = time.perf_counter()
+        metrics: Dict[str, float] = {}
+        error: Optional[str] = None
+        try:
+            metrics = self.evaluate(iteration) or {}
+        except Exception as exc:  # noqa: BLE001 - any failure inside evaluation becomes one line
+            at = self._checkpoint_at(iteration)
+            error = (f"evaluation at iteration {iteration} failed ({typed_first_line(exc)}); "
+                     f"no checkpoint is lost: evaluate later with: {self.eval_command.format(weights=at)}")
+            logger.debug("evaluation failure", exc_info=True)  # the traceback goes to log.txt only
+        if self.world_size > 1:
+            # A failure on one rank (rank 0's scoring, say) is every rank's: all take the same
+            # branch, since _keep_best and the next steps are collective.
+            error = next((e for e in all_gather_object(error) if e is not None), None)
+        if error is not None:
+            logger.error(error)
+            return error
+        metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.last_metrics = metrics
+        if self.is_main:
+            logger.info("evaluation at iteration %d (%.1fs): %s", iteration, time.perf_counter() - t0,
+                        "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            self.writers.write({"iteration": iteration, "type": "eval", **metrics},
+                               {f"eval/{k}": v for k, v in metrics.items()}, iteration)
+            if self.writers.tb is not None:
+                self.writers.tb.flush()
+        self._keep_best(metrics, iteration)
+        return None
+
+    def _checkpoint_at(self, iteration: int) -> str:
+        """The checkpoint holding ``iteration`` (or the newest one, with its iteration)."""
+        for name in ("last.pth", *sorted(self.checkpointer.saved, reverse=True)):
+            if self.checkpointer.saved.get(name) == iteration:
+                return str(self.checkpointer.directory / name)
+        newest = self.checkpointer.newest
+        if newest is None:
+            return f"<no checkpoint yet; the next one in {self.checkpointer.directory}>"
+        return f"{newest} (iteration {self.checkpointer.newest_iteration})"
+
+    def _keep_best(self, metrics: Dict[str, float], iteration: int) -> None:
+        value: Optional[float] = None
+        if self.is_main and metrics:
+            if self.best_metric not in metrics:
+                logger.warning("train.best_metric=%r is not among the evaluation metrics %s; best.pth not written",
+                               self.best_metric, sorted(metrics))
+            elif math.isfinite(metrics[self.best_metric]) and (
+                    self.best_value is None or metrics[self.best_metric] > self.best_value):
+                value = metrics[self.best_metric]
+        value = value if self.world_size == 1 else all_gather_object(value)[0]
+        if value is None:
+            return
+        self.best_value = value
+        # Files already holding this iteration are rewritten too, so they carry the new best value.
+        same = [n for n, it in self.checkpointer.saved.items() if it == iteration and n != "best.pth"]
+        self.checkpointer.save(["best.pth", *same], iteration)
+        if self.is_main:
+            logger.info("new best %s %.4f at iteration %d", self.best_metric, value, iteration)
+
+
+class Validator:
+    """Callable ``(iteration) -> metrics``: evaluates ``model`` on the val split (every
+    rank takes part; metrics on rank 0) into ``<output_dir>/eval/iter_N``, and on rank 0
+    writes the per-class curves and ``train.vis_images`` images with boxes to TensorBoard.
+    The model is put back in training mode afterwards.
+
+    Args:
+        model: the model without the DDP wrapper.
+        cfg: the resolved config (``data.val``, ``eval.*``, ``train.vis_images``).
+        amp: the training AMP settings (evaluation uses them where ``eval.amp``).
+        writers: TensorBoard (rank 0).
+        output_dir: the run folder.
+        is_main: this process writes files.
+        dataset: the val dataset; by default ``build_dataset(cfg, "val", False)`` at the
+            first evaluation.
+        evaluate_fn: ``detector.evaluation.evaluate`` by default.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: Config, amp: AmpSettings, writers: EventWriters, output_dir: Path,
+                 is_main: bool = True, dataset: Any = None, evaluate_fn: Callable[..., Any] = default_evaluate) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.amp = amp
+        self.writers = writers
+        self.output_dir = Path(output_dir)
+        self.is_main = is_main
+        self.dataset = dataset
+        self.evaluate_fn = evaluate_fn
+
+    def __call__(self, iteration: int) -> Dict[str, float]:
+        cfg, model = self.cfg, self.model
+        try:
+            if self.dataset is None:
+                self.dataset = build_dataset(cfg, "val", False)
+            out = self.output_dir / "eval" / f"iter_{iteration:07d}"
+            metrics = self.evaluate_fn(model, self.dataset, cfg, output_dir=out if self.is_main else None)
+            report = getattr(metrics, "report", None)  # per-class curves (detector.evaluation.evaluate)
+            tb = self.writers.tb if self.is_main else None
+            if tb is not None and report is not None:
+                write_report(tb.writer, report, iteration)
+            if tb is not None and cfg.train.vis_images > 0:
+                log_detections(model, self.dataset, tb, iteration, cfg.train.vis_images, cfg.eval.score_thresh,
+                               dataclasses.replace(self.amp, enabled=self.amp.enabled and cfg.eval.amp))
+        finally:
+            model.train()
+        return metrics or {}
+
+
+def log_detections(model: torch.nn.Module, dataset: Any, tb: TensorBoardWriter, iteration: int, num_images: int,
+                   score_thresh: float, amp: AmpSettings) -> None:
+    """Ground truth and predictions (score >= ``score_thresh``) of the first
+    ``num_images`` images of ``dataset`` as TensorBoard images ``val/detections_<i>``."""
+    model.eval()
+    device = next(model.parameters()).device
+    names = list(getattr(dataset, "class_names", []))
+    with torch.no_grad():
+        for i in range(min(num_images, len(dataset))):
+            image, target = dataset[i]
+            with torch.autocast(device.type, dtype=amp.dtype, enabled=amp.enabled):
+                pred = model([image.to(device)])[0]
+            keep = pred["scores"] >= score_thresh
+            captions = [f"{names[label - 1] if 0 < label <= len(names) else label} {score:.2f}"
+                        for label, score in zip(pred["labels"][keep].tolist(), pred["scores"][keep].tolist())]
+            drawn = draw_detections(image, target["boxes"], pred["boxes"][keep].float(), captions)
+            tb.image(f"val/detections_{i}", drawn, iteration)

@@ -1,0 +1,166 @@
+"""``MetricsWriter``: losses, LRs, timings, memory and the AMP scale to the console,
+``metrics.jsonl`` and TensorBoard."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from detector.engine.log import EventWriters, format_console_line, format_eta, peak_memory_mb
+from detector.engine.train_loop import HookBase, LoopState
+
+logger = logging.getLogger(__name__)
+
+
+def _named_lrs(groups: List[Dict[str, Any]]) -> Dict[str, float]:
+    return {str(g.get("name", i)): float(g["lr"]) for i, g in enumerate(groups)}
+
+
+class MetricsWriter(HookBase):
+    """Every ``period`` iterations (and at a stop or the end): the window's mean losses
+    and gradient norm (over iterations and ranks; non-finite steps left out), each group's
+    LR, iteration and data time, images/s, peak memory and the AMP scale, to the
+    console, ``metrics.jsonl`` and TensorBoard. Per iteration it only keeps the step's
+    device tensors: nothing is read back outside logging points.
+
+    Console: with ``progress_bar`` a tqdm bar with ETA (the log line then goes to
+    ``log.txt`` only); otherwise one log line with ETA per period.
+
+    Args:
+        period: iterations between records (``train.log_period``).
+        optimizer: its groups' LRs (``name`` of each group) are recorded.
+        writers: JSONL / TensorBoard (rank 0).
+        device: for the peak-memory figure.
+        world_size: > 1: losses are averaged over ranks (all ranks take part).
+        scaler: a GradScaler whose scale is recorded when it is enabled.
+        progress_bar: show a tqdm bar on stderr (rank 0 in a terminal).
+    """
+
+    def __init__(
+        self,
+        period: int,
+        optimizer: torch.optim.Optimizer,
+        writers: EventWriters,
+        device: torch.device,
+        world_size: int = 1,
+        scaler: Optional[torch.amp.GradScaler] = None,
+        progress_bar: bool = False,
+        is_main: bool = True,
+    ) -> None:
+        if period <= 0:
+            raise ValueError(f"train.log_period must be > 0, got {period}")
+        self.period = period
+        self.optimizer = optimizer
+        self.writers = writers
+        self.device = device
+        self.world_size = world_size
+        self.scaler = scaler
+        self.progress_bar = progress_bar
+        self.is_main = is_main
+        self._bar: Optional[tqdm] = None
+        self._reset(time.perf_counter())
+        self._recent_iter_times: List[float] = []
+
+    def _reset(self, now: float) -> None:
+        self._losses: List[torch.Tensor] = []
+        self._grad_norms: List[torch.Tensor] = []
+        self._names: tuple = ()
+        self._skipped = 0
+        self._images = 0
+        self._data_time = 0.0
+        self._count = 0
+        self._window_start = now
+
+    def before_train(self, state: LoopState) -> None:
+        self._reset(time.perf_counter())
+        if self.progress_bar:
+            self._bar = tqdm(total=state.max_iter, initial=state.iteration, desc="train", unit="it",
+                             dynamic_ncols=True, mininterval=0.5)
+
+    def after_step(self, state: LoopState) -> None:
+        step = state.step
+        assert step is not None
+        self._count += 1
+        self._images += state.batch_images
+        self._data_time += state.data_time
+        self._names = step.loss_names
+        if step.nonfinite:
+            self._skipped += 1
+        else:
+            self._losses.append(step.losses)
+        if not step.skipped:  # (a float16 overflow has finite losses but no finite norm)
+            self._grad_norms.append(step.grad_norm)
+        if self._bar is not None:
+            self._bar.update(1)
+        if state.iteration % self.period == 0 or state.iteration == state.max_iter or state.stopping:
+            self.write(state)
+
+    def after_train(self, state: LoopState) -> None:
+        if state.status in ("finished", "interrupted") and self._count:
+            self.write(state)  # the part-window before a stop
+        if state.status == "failed" and self.is_main and self.writers.jsonl is not None:
+            self.writers.jsonl.write({"iteration": state.iteration, "type": "stopped", "reason": state.error or ""})
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def write(self, state: LoopState) -> Dict[str, Any]:
+        """Reduce the window, write the record and start a new window; returns the record."""
+        now = time.perf_counter()
+        names = list(self._names)
+        n = len(names)
+        nan = torch.full((1,), float("nan"), device=self.device)
+        mean = torch.stack(self._losses).mean(0) if self._losses else nan.expand(n)
+        grad_norm = torch.stack(self._grad_norms).mean().reshape(1) if self._grad_norms else nan
+        counts = torch.tensor([float(self._images), float(self._skipped)], device=mean.device)
+        stats = torch.cat([mean.float(), grad_norm.float(), counts])
+        if self.world_size > 1:
+            dist.all_reduce(stats)
+            stats[: n + 1] /= self.world_size
+        values = stats.tolist()  # the read-back of a logging point
+        elapsed = now - self._window_start
+        iter_time = elapsed / max(1, self._count)
+        self._recent_iter_times = (self._recent_iter_times + [iter_time])[-5:]
+        eta = sum(self._recent_iter_times) / len(self._recent_iter_times) * (state.max_iter - state.iteration)
+        lrs = _named_lrs(self.optimizer.param_groups)
+        record: Dict[str, Any] = {
+            "iteration": state.iteration,
+            "type": "train",
+            "epoch": state.epoch,
+            **dict(zip(names, values[:n])),
+            "grad_norm": values[n],
+            "lr": lrs.get("default", next(iter(lrs.values()))),
+            **{f"lr/{k}": v for k, v in lrs.items()},
+            "time": iter_time,
+            "data_time": self._data_time / max(1, self._count),
+            "images_per_sec": values[n + 1] / max(elapsed, 1e-9),
+            "memory_mb": peak_memory_mb(self.device),
+            "nonfinite_skipped": int(values[n + 2]),
+        }
+        if self.scaler is not None and self.scaler.is_enabled():
+            record["amp_scale"] = float(self.scaler.get_scale())
+        self._reset(time.perf_counter())
+        if not self.is_main:
+            return record
+        line = format_console_line(record, state.max_iter, eta, lrs)
+        if self._bar is not None:
+            logger.debug(line)  # to log.txt; the bar shows the figures
+            self._bar.set_postfix_str(f"loss {record.get('total_loss', float('nan')):.4f}  "
+                                      f"lr {record['lr']:.3g}  eta {format_eta(eta)}", refresh=False)
+        else:
+            logger.info(line)
+        scalars = {f"loss/{k}": record[k] for k in names}
+        scalars.update({f"lr/{k}": v for k, v in lrs.items()})
+        scalars.update({
+            "train/grad_norm": record["grad_norm"], "time/iter": record["time"], "time/data": record["data_time"],
+            "train/images_per_sec": record["images_per_sec"], "memory/peak_mb": record["memory_mb"],
+        })
+        if "amp_scale" in record:
+            scalars["train/amp_scale"] = record["amp_scale"]
+        self.writers.write(record, scalars, state.iteration)
+        return record

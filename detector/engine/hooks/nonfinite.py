@@ -1,0 +1,65 @@
+"""``NonFiniteGuard``: warns at each skipped non-finite step and stops a run that keeps
+failing, naming the checkpoint to resume from."""
+
+from __future__ import annotations
+
+import logging
+
+from detector.distributed import all_gather_object
+from detector.engine.checkpointing import Checkpointer
+from detector.engine.train_loop import HookBase, LoopState
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """``train.max_nonfinite_steps`` non-finite losses in a row: one line."""
+
+
+class NonFiniteGuard(HookBase):
+    """Warns at each non-finite step (skipped by ``TrainStep``) and stops the run after
+    ``max_in_row`` in a row with ``NonFiniteLossError``, naming the checkpoint to resume
+    from. That is the newest finite checkpoint holding a state at least two iterations
+    before the first failing step: resuming from the state just before it would
+    repeat the same forward pass on the same batch, whatever the LR. Failing that, the
+    newest finite checkpoint; failing that, the current state is saved if it is finite
+    (the skipped steps did not change the weights)."""
+
+    def __init__(self, max_in_row: int, checkpointer: Checkpointer, world_size: int = 1) -> None:
+        if max_in_row <= 0:
+            raise ValueError(f"train.max_nonfinite_steps must be > 0, got {max_in_row}")
+        self.max_in_row = max_in_row
+        self.checkpointer = checkpointer
+        self.world_size = world_size
+        self.in_row = 0
+
+    def after_step(self, state: LoopState) -> None:
+        step = state.step
+        if step is None or not step.nonfinite:
+            self.in_row = 0
+            return
+        self.in_row += 1
+        values = ", ".join(f"{k}={v:.4g}" for k, v in zip(step.loss_names, step.losses.tolist()))
+        logger.warning("iteration %d: non-finite loss or gradient (%s); step skipped (%d in a row)",
+                       state.iteration, values, self.in_row)
+        if self.in_row >= self.max_in_row:
+            k = self.max_in_row
+            raise NonFiniteLossError(
+                f"{k} non-finite losses in a row (train.max_nonfinite_steps={k}) at iteration {state.iteration}; "
+                f"stopped; {self._resume_point(state.iteration - k + 1, state.iteration)}. "
+                "Lower solver.lr, enable solver.clip_grad_norm, or check the data"
+            )
+
+    def _resume_point(self, first_bad: int, iteration: int) -> str:
+        # Rank 0 sees the files; every rank must take the same branch (save is collective).
+        found = self.checkpointer.newest_at_most(first_bad - 2)
+        if self.world_size > 1:
+            found = all_gather_object(found)[0]
+        if found is not None:
+            return f"resume from the newest finite checkpoint before the failing steps: {found[0]} (iteration {found[1]})"
+        ck = self.checkpointer
+        if ck.newest is None and ck.save(["last.pth"], iteration) is not None:
+            return f"the weights before the failing steps are saved in {ck.newest} (iteration {ck.newest_iteration})"
+        if ck.newest is not None:
+            return f"newest finite checkpoint: {ck.newest} (iteration {ck.newest_iteration})"
+        return "no finite checkpoint was written (the weights were not finite)"
