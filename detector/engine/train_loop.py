@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -85,7 +86,7 @@ class TrainResult:
     iteration: int
     status: str
     metrics: Dict[str, float] = field(default_factory=dict)
-    output_dir: Optional[Any] = None
+    output_dir: Optional[Path] = None
 
 
 class Trainer:
@@ -107,7 +108,7 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, loader: Any, step: TrainStep, hooks: Sequence[Any], state: LoopState,
-                 data_seed: int = 0, rng_state: Optional[Dict[str, Any]] = None, output_dir: Optional[Any] = None,
+                 data_seed: int = 0, rng_state: Optional[Dict[str, Any]] = None, output_dir: Optional[Path] = None,
                  on_close: Sequence[Callable[[], None]] = ()) -> None:
         self.model = model
         self.loader = loader
