@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from detector.evaluation.draw import GT_COLOR, PRED_COLOR, draw_detections, render
+from detector.evaluation.plots import GT_COLOR, PRED_COLOR, draw_detections, render
 
 
 def test_labels_stay_inside_a_64px_image():

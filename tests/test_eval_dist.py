@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from detector.evaluation.evaluator import _check_coverage
+from detector.evaluation.report import _check_coverage
 from conftest import TINY_CONFIG, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]

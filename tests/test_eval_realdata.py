@@ -39,7 +39,7 @@ def printed_numbers(text):
     return [values[k] for k in COCO_METRIC_NAMES]
 
 
-@pytest.mark.parametrize("backend", ["pycocotools", "faster", "numpy"])
+@pytest.mark.parametrize("backend", ["pycocotools", "faster"])
 def test_coco_val2014_100_readme_numbers(real_data, tmp_path, capsys, backend):
     folder = real_data / "coco_eval_val2014_100"
     gt_file = folder / "instances_val2014_100.json"

@@ -266,7 +266,7 @@ def test_evaluate_on_cuda_with_amp(tiny_setup, tmp_path):
 
 
 def test_prediction_file_errors_are_named(case_files, tmp_path):
-    from detector.evaluation.scoring import load_ground_truth, load_predictions
+    from detector.evaluation import load_ground_truth, load_predictions
 
     d, gt, _ = case_files
     bad = {"images": [{"id": 0, "file_name": "nowhere.jpg"}], "annotations": []}

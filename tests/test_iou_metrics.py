@@ -9,8 +9,8 @@ import pytest
 import torch
 from torchvision.ops import box_iou
 
-from detector.evaluation.iou import IGNORED, UNMATCHED, confusion_matrix, count_mae, greedy_match, iou_metrics, pearson
-from detector.evaluation.records import group_by_image
+from detector.evaluation.iou import (IGNORED, UNMATCHED, confusion_matrix, count_mae, greedy_match, group_by_image,
+                                     iou_metrics, pearson)
 
 
 def xywh(b):
@@ -141,8 +141,7 @@ def test_greedy_match_all_equals_greedy_match_per_image():
     aware and agnostic: the same matches, IoUs and matched boxes, with ties in score,
     crowd boxes and zero-width boxes."""
     from detector.benchmark.results_file import generate_results_case
-    from detector.evaluation.iou import greedy_match_all
-    from detector.evaluation.records import group_by_image
+    from detector.evaluation.iou import greedy_match_all, group_by_image
 
     gt, dets = generate_results_case(30, 6, 60, num_classes=4, seed=1)
     for d in dets[::7]:

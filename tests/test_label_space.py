@@ -17,7 +17,7 @@ from detector.data import CocoDetection, DataError, build_dataset, resolve_num_c
 from detector.data.check import check_dataset
 from detector.evaluation import evaluate
 from detector.evaluation.inference import array_to_detections, detections_to_array
-from detector.evaluation.scoring import score_detections
+from detector.evaluation import score_detections
 from detector.modeling import build_model
 from detector.modeling.weights import load_weights
 from eval_fixtures import CAT_IDS, make_coco_case, pycocotools_stats

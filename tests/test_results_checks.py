@@ -1,6 +1,6 @@
 """Every results record and ground-truth record is checked before scoring: a bad one is
 one line naming the file, its index and the field (tools/eval.py: exit status 1, no
-traceback). Also: chunked reading of results files gives the same arrays."""
+traceback). Also: reading a results file keeps every record, in order."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detector.evaluation import results as results_mod
 from detector.evaluation.results import ResultsError, read_results_file
 from eval_fixtures import make_coco_case
 from conftest import load_tool
@@ -105,22 +104,21 @@ def test_nan_score_in_a_subprocess(case, tmp_path):
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'p.json'}: result 3: 'score' is nan; it must be finite"]
 
 
-def test_chunked_reading_equals_one_pass_and_names_the_global_index(case, tmp_path, monkeypatch):
+def test_reading_a_results_file_keeps_every_record_and_names_the_global_index(case, tmp_path):
     _, _, dets = case
     many = [dict(r, score=float(k) / 1000) for k, r in enumerate(dets * 20)]
-    many[5]["note"] = "a string with }, inside"  # a wrong split guess: falls back to one pass
+    many[5]["note"] = "a string with }, inside"  # an extra field is ignored
     path = tmp_path / "many.json"
     path.write_text(json.dumps(many, indent=1))
-    monkeypatch.setattr(results_mod, "CHUNK_CHARS", 500)
     got = read_results_file(path)
     assert len(got) == len(many)
     np.testing.assert_array_equal(got.score, [r["score"] for r in many])
     np.testing.assert_array_equal(got.bbox, [r["bbox"] for r in many])
     del many[5]["note"]
     path.write_text(json.dumps(many, indent=1))
-    chunked = read_results_file(path)
-    np.testing.assert_array_equal(chunked.image_id, got.image_id)
-    np.testing.assert_array_equal(chunked.category_id, got.category_id)
+    again = read_results_file(path)
+    np.testing.assert_array_equal(again.image_id, got.image_id)
+    np.testing.assert_array_equal(again.category_id, got.category_id)
     late = len(many) - 7
     many[late]["bbox"] = [1, 2, -3, 4]
     path.write_text(json.dumps(many, indent=1))
@@ -128,25 +126,24 @@ def test_chunked_reading_equals_one_pass_and_names_the_global_index(case, tmp_pa
         read_results_file(path)
 
 
-@pytest.mark.parametrize("backend", ["pycocotools", "faster", "numpy"])
+@pytest.mark.parametrize("backend", ["pycocotools", "faster"])
 def test_large_file_path_equals_pycocotools(tmp_path, backend, monkeypatch):
     """The generator of the 2M benchmark at a tiny size, scored through the file path
     with several category groups and read pieces: the 12 numbers equal pycocotools'."""
     from detector.benchmark.results_file import main as write_case
     from detector.evaluation import coco as coco_mod
-    from detector.evaluation.scoring import load_ground_truth, load_predictions, score_detections
+    from detector.evaluation import load_ground_truth, load_predictions, score_detections
     from eval_fixtures import pycocotools_stats
 
     write_case(["--images", "40", "--objects", "4", "--dets", "30", "--out", str(tmp_path / "c")])
     gt = load_ground_truth(tmp_path / "c_gt.json")
-    monkeypatch.setattr(results_mod, "CHUNK_CHARS", 2000)
     monkeypatch.setattr(coco_mod, "CHUNK_DETECTIONS", 100)
     dets = load_predictions(tmp_path / "c_dets.json", gt)
     assert len(coco_mod.category_chunks(dets.category_id, list(range(1, 81)), 100)) > 5
     report = score_detections(gt, dets, backend=backend)
     got = np.array([report.metrics[k] for k in coco_mod.COCO_METRIC_NAMES])
     expected = pycocotools_stats(gt, json.loads((tmp_path / "c_dets.json").read_text()))
-    if backend in ("pycocotools", "numpy"):
+    if backend == "pycocotools":
         np.testing.assert_array_equal(got, expected)
     else:  # faster-coco-eval sums in another order: 3e-17 from pycocotools, 0 from itself in one pass
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-15)

@@ -70,7 +70,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def score_file(args: argparse.Namespace) -> int:
     """File mode: score a results file against COCO JSON or VOC XML ground truth."""
-    from detector.evaluation.scoring import (
+    from detector.evaluation import (
         format_table,
         load_ground_truth,
         load_predictions,

@@ -76,8 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from detector.data.transforms import build_transforms
         from detector.modeling.weights import load_model_weights
         from detector.distributed import resolve_device
-        from detector.evaluation.predict import list_images, predict_files
-        from detector.evaluation.scoring import write_json
+        from detector.evaluation import list_images, predict_files, write_json
         from detector.modeling import build_model
 
         cfg = load_config(args.config, args.overrides)

@@ -19,7 +19,7 @@ from detector.data import build_dataset
 from detector.data.loader import build_train_loader
 from detector.distributed import resolve_device
 from detector.evaluation.coco import COCO_METRIC_NAMES, coco_evaluate
-from detector.evaluation.scoring import score_detections
+from detector.evaluation import score_detections
 
 from .batches import cached_batches, cycle_epochs
 from .coco_case import generate_case, pycocotools_direct
@@ -202,7 +202,6 @@ def benchmark_eval(
         scorers["ours_faster"] = lambda g, r: twelve(coco_evaluate(g, r, backend="faster").metrics)
     else:
         logger.warning("faster-coco-eval is not installed; timing the pycocotools backend only")
-    scorers["ours_numpy"] = lambda g, r: twelve(coco_evaluate(g, r, backend="numpy").metrics)
     scorers["ours_all_metrics"] = lambda g, r: twelve(score_detections(g, r, backend=cfg.eval.backend).metrics)
 
     runners = []

@@ -247,8 +247,8 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    # numpy: vectorised, same numbers.
-    backend: str = field_("pycocotools", choices=("pycocotools", "faster", "numpy"))
+    # pycocotools or faster (faster-coco-eval).
+    backend: str = field_("pycocotools", choices=("pycocotools", "faster"))
     images_per_gpu: int = field_(1, ge=1)
     voc_iou_thresh: float = field_(0.5, gt=0, le=1)
     # VOC07 11-point AP recall levels: "exact" (0, 0.1, ..., 1 as k/10) or "numpy_arange"

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from detector.evaluation.draw import draw_detections  # noqa: F401  (moved there; tests/test_draw.py still imports it from here)
+from detector.evaluation import draw_detections  # noqa: F401  (moved there; tests/test_draw.py still imports it from here)
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from . import coco_arrays
 from .results import (  # noqa: F401  (UnknownImageError: part of this module's API)
     Detections,
     UnknownImageError,
@@ -45,9 +44,7 @@ from .results import (  # noqa: F401  (UnknownImageError: part of this module's 
 logger = logging.getLogger(__name__)
 
 COCO_METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
-# "numpy": this project's vectorised COCOeval (detector.evaluation.coco_arrays), the same
-# numbers as pycocotools without a Python object per detection.
-BACKENDS = ("pycocotools", "faster", "numpy")
+BACKENDS = ("pycocotools", "faster")
 # Detections per COCOeval pass. The COCO libraries hold ~1.4 KB of Python objects per
 # detection; 250k keeps a pass near 350 MB.
 CHUNK_DETECTIONS = 250_000
@@ -91,8 +88,6 @@ def _backend_classes(backend: str):
                 "eval.backend=faster needs the 'faster-coco-eval' package (pip install faster-coco-eval)"
             ) from exc
         return COCO, COCOeval_faster
-    if backend == "numpy":
-        return None, None
     raise ValueError(f"eval.backend must be one of {BACKENDS}; got {backend!r}")
 
 
@@ -212,8 +207,7 @@ def coco_evaluate(
         gt: COCO-format ground-truth dict (not mutated).
         results: COCO results list, bbox ``[x, y, w, h]`` in original pixels, or
             :class:`Detections` (not mutated).
-        backend: ``"pycocotools"``, ``"faster"`` (faster-coco-eval) or ``"numpy"``
-            (:mod:`detector.evaluation.coco_arrays`, no Python object per detection).
+        backend: ``"pycocotools"`` or ``"faster"`` (faster-coco-eval).
         check: check ``results`` against ``gt`` first (fields, and ids that ``gt``
             has; see :mod:`detector.evaluation.results`).
         chunk_detections: detections per ``COCOeval`` pass (whole categories);
@@ -228,8 +222,6 @@ def coco_evaluate(
     dets = as_detections(results)
     if check:
         check_detection_ids(dets, image_ids, gt_cat_ids)
-    if backend == "numpy":
-        return _evaluate_arrays(gt, dets)
     coco_gt = build_coco(gt, backend)
     cat_ids = sorted(int(c) for c in coco_gt.getCatIds())
     evals, evaluator = [], None
@@ -251,24 +243,6 @@ def coco_evaluate(
     stats = [float(v) for v in np.asarray(evaluator.stats)[: len(COCO_METRIC_NAMES)]]
     return _result(stats, np.asarray(evaluator.eval["precision"]), np.asarray(evaluator.params.iouThrs),
                    cat_ids, np.asarray(evaluator.params.recThrs))
-
-
-def _evaluate_arrays(gt: Dict[str, Any], dets: Detections) -> CocoEvalResult:
-    """The ``numpy`` backend: :func:`detector.evaluation.coco_arrays.evaluate_boxes` on
-    the gt dict's annotations (``area`` as given, else ``w * h``) and ``dets``."""
-    anns = gt["annotations"]
-    box = np.array([a["bbox"] for a in anns], dtype=np.float64).reshape(-1, 4)
-    area = np.array([a.get("area", np.nan) for a in anns], dtype=np.float64)
-    area = np.where(np.isnan(area), box[:, 2] * box[:, 3], area)
-    cat_ids = sorted(int(c["id"]) for c in gt["categories"])
-    ev = coco_arrays.evaluate_boxes(
-        np.unique(np.array([img["id"] for img in gt["images"]], dtype=np.int64)), np.array(cat_ids, dtype=np.int64),
-        np.array([a["image_id"] for a in anns], dtype=np.int64), np.array([a["category_id"] for a in anns], dtype=np.int64),
-        box, area, np.array([bool(a.get("iscrowd", 0)) for a in anns], dtype=bool),
-        dets.image_id, dets.category_id, dets.bbox, dets.score,
-    )
-    stats = coco_arrays.summarize(ev["precision"], ev["recall"])
-    return _result(stats, ev["precision"], coco_arrays.IOU_THRS, cat_ids, coco_arrays.REC_THRS)
 
 
 def _result(stats: List[float], precision: np.ndarray, iou_thrs: np.ndarray, cat_ids: List[int],

@@ -1,5 +1,6 @@
 """The inference loop: the model over a loader, detections in original image
-coordinates, and (optionally) the training losses on the validation set.
+coordinates, and (optionally) the training losses on the validation set; and the
+model over image files with the detections drawn (``tools/infer.py``).
 
 Distributed use: each rank runs its own shard (``InferenceSampler``: contiguous, no
 duplicates) and returns its part; :func:`detector.evaluation.evaluate` gathers them.
@@ -11,19 +12,25 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from tqdm import tqdm
 
+from detector.data.files import DataError, load_image
+
+from .plots import render
 from .results import Detections
 
 logger = logging.getLogger(__name__)
 
 LOSS_NAMES = ("loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 # Columns of the per-rank detection array: image_id, category_id, x, y, w, h, score.
 DET_COLUMNS = 7
@@ -236,3 +243,136 @@ def compute_val_loss(
                 sums[k] += float(losses[k].float()) * n
             count += n
     return {"sum": sums, "count": count}
+
+
+# --------------------------------------------------------------------------- image files
+
+
+def list_images(path: str | Path) -> List[Path]:
+    """One image file, or the image files of a folder (sorted, not recursive).
+
+    Raises:
+        FileNotFoundError: no such path, or a folder without images (named).
+    """
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not files:
+            raise FileNotFoundError(f"no image files ({', '.join(IMAGE_SUFFIXES)}) in {path}")
+        return files
+    raise FileNotFoundError(f"input not found: {path}")
+
+
+def read_rgb(path: str | Path) -> np.ndarray:
+    """uint8 [H, W, 3] RGB, any bit depth scaled as ``detector.data.files.to_rgb8`` does.
+
+    Raises:
+        FileNotFoundError: no such file.
+        DataError: the file is unreadable or its pixel type has no 8-bit scale (named).
+    """
+    return load_image(str(path))
+
+
+@torch.inference_mode()
+def predict_image(
+    model: nn.Module,
+    image: np.ndarray,
+    transform: Optional[Callable] = None,
+    score_thresh: float = 0.5,
+) -> Dict[str, torch.Tensor]:
+    """Detections of one image, in its own pixel coordinates.
+
+    Args:
+        model: a detector in eval mode (or its DDP wrapper).
+        image: uint8 [H, W, 3] RGB.
+        transform: the eval transform (``build_transforms(cfg, is_train=False)``) to
+            resize the image like the evaluation does; None = the image as is.
+        score_thresh: detections below it are dropped.
+
+    Returns:
+        ``boxes`` float32 [M, 4] xyxy original pixels, ``scores`` [M], ``labels`` [M].
+    """
+    net = unwrap(model)
+    h, w = image.shape[:2]
+    if transform is not None:
+        tensor, _, _ = transform(image, np.zeros((0, 4), np.float32), np.zeros((0,), np.int64))
+    else:
+        tensor = torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
+    new_h, new_w = tensor.shape[-2:]
+    target = {
+        "scale": torch.tensor([new_w / w, new_h / h], dtype=torch.float32),
+        "orig_size": torch.tensor([h, w]),
+    }
+    out = net([tensor.to(model_device(net))])[0]
+    keep = out["scores"] >= score_thresh
+    return {
+        "boxes": to_original_boxes(out["boxes"][keep], target),
+        "scores": out["scores"][keep].float().cpu(),
+        "labels": out["labels"][keep].cpu(),
+    }
+
+
+def draw_predictions(image: np.ndarray, det: Dict[str, torch.Tensor], class_names: Sequence[str]) -> torch.Tensor:
+    """uint8 [3, H', W'] with boxes and ``name score`` captions drawn on ``image``
+    (uint8 [H, W, 3]); small images scaled up (see :func:`detector.evaluation.plots.render`)."""
+    captions = [
+        f"{class_names[int(lab) - 1] if 0 < int(lab) <= len(class_names) else lab} {float(s):.2f}"
+        for lab, s in zip(det["labels"], det["scores"])
+    ]
+    return render(image, det["boxes"], captions).image
+
+
+def predict_files(
+    model: nn.Module,
+    paths: Sequence[Path],
+    output_dir: str | Path,
+    class_names: Sequence[str],
+    transform: Optional[Callable] = None,
+    score_thresh: float = 0.5,
+) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Detect on each file, write ``<output_dir>/<stem>.png`` with the boxes drawn.
+
+    A file that cannot be read (missing, corrupt, unsupported pixel type) is skipped with
+    a warning naming it; the others are still processed.
+
+    Returns:
+        ``(records, skipped)``: one JSON-ready record per readable file (``file``,
+        ``height``, ``width``, ``boxes`` xyxy, ``scores``, ``labels``, ``names``), and one
+        message per skipped file.
+    """
+    out_dir = Path(output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    net = unwrap(model)
+    was_training = net.training
+    net.eval()
+    records: List[Dict[str, Any]] = []
+    skipped: List[str] = []
+    try:
+        for path in paths:
+            try:
+                image = read_rgb(path)
+            except (FileNotFoundError, DataError) as exc:
+                logger.warning("skipped: %s", exc)
+                skipped.append(str(exc))
+                continue
+            det = predict_image(net, image, transform, score_thresh)
+            drawn = draw_predictions(image, det, class_names)
+            Image.fromarray(drawn.permute(1, 2, 0).numpy()).save(out_dir / f"{Path(path).stem}.png")
+            labels = det["labels"].tolist()
+            records.append(
+                {
+                    "file": str(path),
+                    "height": int(image.shape[0]),
+                    "width": int(image.shape[1]),
+                    "boxes": [[round(v, 2) for v in b] for b in det["boxes"].tolist()],
+                    "scores": [round(s, 4) for s in det["scores"].tolist()],
+                    "labels": labels,
+                    "names": [class_names[lab - 1] if 0 < lab <= len(class_names) else str(lab) for lab in labels],
+                }
+            )
+            logger.info("%s: %d detections", path, len(labels))
+    finally:
+        net.train(was_training)
+    return records, skipped

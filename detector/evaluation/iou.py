@@ -9,21 +9,95 @@ detection takes the still-free ground-truth box of its class with the highest Io
 if that IoU >= the threshold. Detections left unmatched that overlap an ignored
 ground-truth box (crowd or difficult) by >= the threshold are neither true nor false
 positives; ignored boxes are never counted as misses.
+
+The metrics work image by image: :func:`group_by_image` turns a COCO-format ground
+truth and its detections into one :class:`EvalImage` per image (the VOC AP uses it too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torchvision.ops import box_iou
 
-from .records import ImageRecord
+from .results import Detections, as_detections
 
 UNMATCHED = -1
 IGNORED = -2
+
+
+@dataclass
+class EvalImage:
+    """Ground truth and detections of one image, original pixels, ``xyxy``.
+
+    Attributes:
+        gt_boxes: float64 [N, 4].
+        gt_cats: int64 [N], original category ids.
+        gt_ignore: bool [N], True for crowd (``iscrowd``), ``difficult`` or ``ignore``
+            objects: a detection on them is neither a true nor a false positive.
+        dt_boxes: float64 [M, 4].
+        dt_scores: float64 [M].
+        dt_cats: int64 [M].
+    """
+
+    gt_boxes: np.ndarray
+    gt_cats: np.ndarray
+    gt_ignore: np.ndarray
+    dt_boxes: np.ndarray
+    dt_scores: np.ndarray
+    dt_cats: np.ndarray
+
+
+def xywh_to_xyxy(boxes: np.ndarray) -> np.ndarray:
+    """[N, 4] ``x, y, w, h`` -> ``x1, y1, x2, y2`` (no +1)."""
+    boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    return np.concatenate([boxes[:, :2], boxes[:, :2] + boxes[:, 2:]], axis=1)
+
+
+def is_ignored(ann: Dict[str, Any]) -> bool:
+    """Crowd, VOC ``difficult`` and explicitly ignored objects."""
+    return bool(ann.get("iscrowd", 0)) or bool(ann.get("difficult", 0)) or bool(ann.get("ignore", 0))
+
+
+def _split_by_image(image_of: np.ndarray, image_ids: np.ndarray) -> List[np.ndarray]:
+    """For each id of ``image_ids``, the indices ``i`` with ``image_of[i] == id``, in
+    increasing order (so each image keeps the input's order)."""
+    order = np.argsort(image_of, kind="stable")
+    sorted_ids = image_of[order]
+    lo = np.searchsorted(sorted_ids, image_ids, side="left")
+    hi = np.searchsorted(sorted_ids, image_ids, side="right")
+    return [order[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+
+
+def group_by_image(gt: Dict[str, Any], results: Any) -> Dict[int, EvalImage]:
+    """One :class:`EvalImage` per ground-truth image (images without objects or
+    detections included), keyed by image id, in the order of ``gt["images"]``.
+
+    ``results``: a COCO results list or :class:`Detections`. Detections of an image
+    keep their input order."""
+    dets: Detections = as_detections(results)
+    image_ids = np.array([img["id"] for img in gt["images"]], dtype=np.int64)
+    anns = gt["annotations"]
+    ann_img = np.array([a["image_id"] for a in anns], dtype=np.int64)
+    ann_box = xywh_to_xyxy(np.array([a["bbox"] for a in anns], dtype=np.float64).reshape(-1, 4))
+    ann_cat = np.array([a["category_id"] for a in anns], dtype=np.int64)
+    ann_ignore = np.array([is_ignored(a) for a in anns], dtype=bool)
+    det_box = xywh_to_xyxy(dets.bbox)
+    records = {}
+    for image_id, g, d in zip(image_ids.tolist(), _split_by_image(ann_img, image_ids),
+                              _split_by_image(dets.image_id, image_ids)):
+        records[image_id] = EvalImage(
+            gt_boxes=ann_box[g],
+            gt_cats=ann_cat[g],
+            gt_ignore=ann_ignore[g],
+            dt_boxes=det_box[d],
+            dt_scores=dets.score[d],
+            dt_cats=dets.category_id[d],
+        )
+    return records
 
 
 @dataclass
@@ -239,7 +313,7 @@ def greedy_match_all(
     return MatchArrays(d2g, d_iou, taken)
 
 
-def _concat(records: Sequence[ImageRecord], score_thresh: float):
+def _concat(records: Sequence[EvalImage], score_thresh: float):
     """The records' boxes as arrays (dt_img, dt_boxes, dt_scores, dt_cats, gt_img,
     gt_boxes, gt_cats, gt_ignore), detections below ``score_thresh`` left out; image
     index = position in ``records``, each image's boxes in their order."""
@@ -263,7 +337,7 @@ def _concat(records: Sequence[ImageRecord], score_thresh: float):
 
 
 def iou_metrics(
-    records: Iterable[ImageRecord],
+    records: Iterable[EvalImage],
     score_thresh: float = 0.5,
     iou_thresholds: Sequence[float] = (0.5, 0.75),
 ) -> Dict[str, float]:
@@ -306,7 +380,7 @@ def iou_metrics(
 
 
 def confusion_matrix(
-    records: Iterable[ImageRecord],
+    records: Iterable[EvalImage],
     cat_ids: Sequence[int],
     score_thresh: float = 0.5,
     iou_thresh: float = 0.5,

@@ -1,4 +1,5 @@
-"""Detections as arrays, and the checks of every results record and ground-truth record.
+"""Results files: detections as arrays, reading and writing COCO results files, reading
+ground-truth files, and the checks of every results and ground-truth record.
 
 A COCO results file is a JSON list of ``{"image_id", "category_id", "bbox": [x, y, w,
 h], "score"}``. Scoring works on :class:`Detections`, four arrays that hold the same
@@ -6,9 +7,9 @@ data in ~56 bytes per detection instead of ~600 as Python dicts, built once:
 
 - :func:`detections_from_records` converts a list of dicts (checking every field on the
   way, vectorised);
-- :func:`read_results_file` parses a results file chunk by chunk into arrays (two
-  processes side by side), so a 2-million-record file never exists as 2 million dicts
-  at once.
+- :func:`read_results_file` parses a results file with ``json`` and converts it;
+  :func:`load_predictions` and :func:`load_ground_truth` read and check the files of
+  ``tools/eval.py``'s file mode; :func:`write_results_file` writes ``detections.json``.
 
 Every record is checked before scoring: ``image_id`` and ``category_id`` integers that
 the ground truth has, a ``bbox`` of four finite numbers with ``w, h >= 0``, and a finite
@@ -20,12 +21,9 @@ naming the file, the record's index and the field. Ground truth gets the same ch
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -188,7 +186,7 @@ def _id_and_box_columns(records: Sequence[Any], cols: Dict[str, List[Any]], sour
     return image_id, category_id, bbox
 
 
-def detections_from_records(records: Sequence[Any], source: str = "detections", first_index: int = 0) -> Detections:
+def detections_from_records(records: Sequence[Any], source: str = "detections") -> Detections:
     """Check the fields of every record and return them as :class:`Detections`.
 
     Vectorised: one list pass per field and one array conversion; only when a column
@@ -197,7 +195,6 @@ def detections_from_records(records: Sequence[Any], source: str = "detections", 
     Args:
         records: COCO results dicts.
         source: the file (or other origin) named in the message.
-        first_index: index of ``records[0]`` in the whole file (for chunked reading).
 
     Raises:
         ResultsError: the first record with a missing or ill-typed field, a non-finite
@@ -210,10 +207,10 @@ def detections_from_records(records: Sequence[Any], source: str = "detections", 
         cols = {f: [r.get(f) for r in records] for f in FIELDS}
     except AttributeError:  # a record that is not an object
         i = next(i for i, r in enumerate(records) if not isinstance(r, dict))
-        raise _record_error(source, f"result {first_index + i}", records[i], "image_id") from None
+        raise _record_error(source, f"result {i}", records[i], "image_id") from None
 
     def label(i: int) -> str:
-        return f"result {first_index + i}"
+        return f"result {i}"
 
     image_id, category_id, bbox = _id_and_box_columns(records, cols, source, label, "the")
     score = _float_column(cols["score"])
@@ -324,105 +321,37 @@ def check_ground_truth(gt: Any, source: str = "ground truth") -> Tuple[np.ndarra
 
 # --------------------------------------------------------------------------- files
 
-CHUNK_CHARS = 8_000_000  # ~80k records of a typical results file per json.loads
-PARSE_WORKERS = 2  # processes that parse pieces of a large file side by side
-_RECORD_END = re.compile(r"\}\s*,")
 
+def load_json_file(path: str | Path, what: str) -> Any:
+    """A JSON file parsed by ``json`` (``what`` names the file in the messages).
 
-def _list_chunks(text: str, start: int, end: int) -> Iterator[str]:
-    """Pieces of the JSON list body ``text[start:end]`` (between ``[`` and ``]``), each a
-    sequence of whole top-level values when the split guesses are right. A split at a
-    ``},`` inside a string or a nested object makes a piece that is not valid JSON; the
-    caller then parses the whole list in one go."""
-    pos = start
-    while pos < end:
-        cut = pos + CHUNK_CHARS
-        m = _RECORD_END.search(text, cut, end) if cut < end else None
-        if m is None:
-            yield text[pos:end]
-            return
-        yield text[pos:m.start() + 1]
-        pos = m.end()
-
-
-def read_json_text(path: str | Path, what: str) -> str:
+    Raises:
+        FileNotFoundError: no such file; ResultsError: unreadable, not UTF-8, or not
+        valid JSON (with the position).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} file not found: {path}")
     try:
-        return path.read_text()
+        return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
         raise ResultsError(f"{path}: cannot read the {what} file: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ResultsError(f"{path}: not valid JSON ({exc})") from None
 
 
 def read_results_file(path: str | Path) -> Any:
-    """Read a results file: a JSON list of results becomes checked :class:`Detections`
-    (parsed in pieces of ~``CHUNK_CHARS``, each converted to arrays and dropped; a file
-    of more than one piece by ``PARSE_WORKERS`` processes side by side); any
-    other JSON (e.g. a COCO-format dict with ``annotations``) is returned as parsed.
+    """Read a results file: a JSON list of results becomes checked :class:`Detections`;
+    any other JSON (e.g. a COCO-format dict with ``annotations``) is returned as parsed.
 
     Raises:
         FileNotFoundError; ResultsError: not valid JSON (with the position) or a bad
         record (index and field).
     """
-    text = read_json_text(path, "predictions")
-    source = str(path)
-    body = text.lstrip()
-    if not body.startswith("["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ResultsError(f"{source}: not valid JSON ({exc})") from None
-    start = text.index("[") + 1
-    end = text.rstrip().rfind("]")
-    parts = _parse_in_workers(text, start, end) if end > start + CHUNK_CHARS else None
-    if parts is not None:
-        return Detections.concatenate(parts)
-    parts = []
-    count = 0
-    try:
-        for piece in _list_chunks(text, start, max(end, start)):
-            records = json.loads("[" + piece + "]")
-            parts.append(detections_from_records(records, source, first_index=count))
-            count += len(records)
-        if end < 0:
-            raise json.JSONDecodeError("the list is not closed with ']'", text, len(text))
-    except json.JSONDecodeError:
-        # A split in the wrong place, or a file that is not valid JSON: parse it whole.
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ResultsError(f"{source}: not valid JSON ({exc})") from None
-        if not isinstance(records, list):
-            return records
-        return detections_from_records(records, source)
-    return Detections.concatenate(parts)
-
-
-def _parse_piece(piece: str) -> Optional[Detections]:
-    """One piece of a results list as checked arrays; None when it is not valid JSON
-    or holds a bad record (the caller then reads the file in one process, which names
-    the record by its index in the whole file)."""
-    try:
-        return detections_from_records(json.loads("[" + piece + "]"))
-    except (json.JSONDecodeError, ResultsError):
-        return None
-
-
-def _parse_in_workers(text: str, start: int, end: int) -> Optional[List[Detections]]:
-    """The pieces of the list body ``text[start:end]`` parsed by ``PARSE_WORKERS``
-    forked processes (json.loads holds the GIL), in file order; None when a piece
-    fails, or where there is one CPU or no ``fork``."""
-    workers = min(PARSE_WORKERS, os.cpu_count() or 1)
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return None
-    parts: List[Detections] = []
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        for dets in pool.imap(_parse_piece, _list_chunks(text, start, end)):
-            if dets is None:
-                return None
-            parts.append(dets)
-    return parts
+    data = load_json_file(path, "predictions")
+    if isinstance(data, list):
+        return detections_from_records(data, str(path))
+    return data
 
 
 _RECORD_JSON = '{"image_id": %d, "category_id": %d, "bbox": [%r, %r, %r, %r], "score": %r}'
@@ -450,3 +379,68 @@ def write_results_file(path: str | Path, dets: Detections, chunk: int = 100_000)
         f.write("\n]\n")
     tmp.replace(path)
     return path
+
+
+def load_ground_truth(path: str | Path) -> Dict[str, Any]:
+    """A COCO-format ground-truth JSON file, checked (errors name the file, the
+    section, the index and the field)."""
+    gt = load_json_file(path, "annotations")
+    check_ground_truth(gt, source=str(path))
+    return gt
+
+
+def load_predictions(path: str | Path, gt: Dict[str, Any]) -> Detections:
+    """Detections from a JSON file, checked against ``gt`` (every record: see
+    :mod:`detector.evaluation.results`), as arrays.
+
+    Accepted forms: a COCO results list (ids must be ``gt``'s), or a COCO-format dict
+    whose ``annotations`` carry a ``score``; its ``images`` (by ``file_name``) and
+    ``categories`` (by ``name``), when present, map its own ids onto ``gt``'s.
+
+    Raises:
+        ResultsError (a ValueError): a form not understood, a bad record (index and
+        field), or a file/category name ``gt`` lacks (named).
+    """
+    image_ids, cat_ids = check_ground_truth(gt)
+    data = read_results_file(path)
+    if isinstance(data, Detections):
+        check_detection_ids(data, image_ids, cat_ids, source=str(path))
+        return data
+    if not isinstance(data, dict) or "annotations" not in data:
+        raise ResultsError(f"{path}: expected a list of COCO results or a dict with 'annotations'")
+    image_map: Optional[Dict[Any, Any]] = None
+    cat_map: Optional[Dict[Any, Any]] = None
+    if data.get("images") and all("file_name" in img for img in data["images"]):
+        gt_by_name = {Path(img["file_name"]).name: img["id"] for img in gt["images"] if "file_name" in img}
+        image_map = {}
+        for img in data["images"]:
+            name = Path(img["file_name"]).name
+            if name not in gt_by_name:
+                raise ResultsError(f"{path}: image {img.get('id')!r} ({name}) is not in the ground truth")
+            image_map[img.get("id")] = gt_by_name[name]
+    if data.get("categories") and all("name" in c for c in data["categories"]):
+        gt_cats = {c["name"]: c["id"] for c in gt["categories"]}
+        cat_map = {}
+        for cat in data["categories"]:
+            if cat["name"] not in gt_cats:
+                raise ResultsError(f"{path}: category {cat['name']!r} is not in the ground-truth categories")
+            cat_map[cat.get("id")] = gt_cats[cat["name"]]
+    results = []
+    for i, ann in enumerate(data["annotations"]):
+        if not isinstance(ann, dict):
+            raise ResultsError(f"{path}: annotations[{i}] is not an object")
+        if "score" not in ann:
+            raise ResultsError(f"{path}: annotations[{i}] has no 'score' (is this a ground-truth file?)")
+        res = {k: ann[k] for k in ("image_id", "category_id", "bbox", "score") if k in ann}
+        if image_map is not None:
+            if ann.get("image_id") not in image_map:
+                raise ResultsError(f"{path}: annotations[{i}] has image_id {ann.get('image_id')!r}, not in its 'images'")
+            res["image_id"] = image_map[ann["image_id"]]
+        if cat_map is not None:
+            if ann.get("category_id") not in cat_map:
+                raise ResultsError(f"{path}: annotations[{i}] has category_id {ann.get('category_id')!r}, not in its 'categories'")
+            res["category_id"] = cat_map[ann["category_id"]]
+        results.append(res)
+    dets = detections_from_records(results, source=f"{path}: annotations")
+    check_detection_ids(dets, image_ids, cat_ids, source=f"{path}: annotations")
+    return dets

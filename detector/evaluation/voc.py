@@ -25,7 +25,7 @@ from typing import Any, Dict, Sequence
 
 import numpy as np
 
-from .records import ImageRecord, is_ignored, xywh_to_xyxy
+from .iou import EvalImage, is_ignored, xywh_to_xyxy
 from .results import as_detections
 
 logger = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ def voc_evaluate_arrays(
 
 
 def voc_evaluate_records(
-    records: Dict[int, ImageRecord], cat_ids: Sequence[int], iou_thresh: float = 0.5,
+    records: Dict[int, EvalImage], cat_ids: Sequence[int], iou_thresh: float = 0.5,
     voc07_thresholds: str = "exact",
 ) -> Dict[int, VOCClassResult]:
     """VOC AP per category id from per-image records (see :func:`group_by_image`), in

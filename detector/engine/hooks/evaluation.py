@@ -20,9 +20,7 @@ from detector.engine.checkpointing import Checkpointer
 from detector.engine.log import EventWriters, TensorBoardWriter
 from detector.engine.amp import AmpSettings
 from detector.engine.train_loop import HookBase, LoopState
-from detector.evaluation import evaluate as default_evaluate
-from detector.evaluation.draw import draw_detections
-from detector.evaluation.tensorboard import write_report
+from detector.evaluation import draw_detections, evaluate as default_evaluate, write_report
 from detector.messages import typed_first_line
 
 logger = logging.getLogger(__name__)
