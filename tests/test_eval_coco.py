@@ -111,3 +111,23 @@ def test_a_config_naming_a_removed_backend_is_one_line():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["eval.backend=numpy"])
     assert str(info.value) == "config key 'eval.backend' is 'numpy'; expected one of pycocotools, faster"
+
+
+@pytest.mark.parametrize("backend", ["pycocotools", "faster"])
+def test_image_and_annotation_ids_above_2_53_score_as_small_ones(backend):
+    """Ids 2**53 .. 2**53 + k (odd and even neighbours; faster-coco-eval holds ids as
+    float64 and would merge them): the twelve numbers and per-class AP of ids 1 .. k."""
+    gt, dets = make_coco_case()
+    big = {img["id"]: 2**53 + k for k, img in enumerate(sorted(gt["images"], key=lambda i: i["id"]))}
+    big_gt = copy.deepcopy(gt)
+    for img in big_gt["images"]:
+        img["id"] = big[img["id"]]
+    for k, ann in enumerate(big_gt["annotations"]):
+        ann["image_id"] = big[ann["image_id"]]
+        ann["id"] = 2**60 + k
+    big_dets = [dict(d, image_id=big[d["image_id"]]) for d in dets]
+    assert len({float(i) for i in big.values()}) < len(big)  # float64 would merge them
+    small = coco_evaluate(gt, dets, backend=backend)
+    got = coco_evaluate(big_gt, big_dets, backend=backend)
+    assert got.metrics == small.metrics and got.per_class_ap == small.per_class_ap
+    np.testing.assert_array_equal(got.precision, small.precision)

@@ -165,18 +165,20 @@ def test_infer_writes_one_annotated_image_per_input(tmp_path):
 
 
 def test_boxes_back_to_original_size_and_clipped():
-    from detector.evaluation.inference import detections_to_array, to_original_boxes
+    from detector.evaluation.inference import detections_of_image, to_original_boxes
 
     target = {"scale": torch.tensor([0.5, 0.25]), "orig_size": torch.tensor([100, 200])}  # h=100, w=200
     boxes = torch.tensor([[10.0, 10.0, 50.0, 30.0], [-2.0, 5.0, 120.0, 20.0]])
     out = to_original_boxes(boxes, target)
     expected = torch.tensor([[20.0, 40.0, 100.0, 100.0], [0.0, 20.0, 200.0, 80.0]])
     torch.testing.assert_close(out, expected)
-    rows = detections_to_array(7, out, torch.tensor([0.9, 0.4]), torch.tensor([2, 1]), {1: 11, 2: 22})
-    assert rows[:, 0].tolist() == [7, 7] and rows[:, 1].tolist() == [22, 11]
-    assert rows[0, 2:6].tolist() == [20.0, 40.0, 80.0, 60.0]  # x, y, w, h
+    dets = detections_of_image(7, out, torch.tensor([0.9, 0.4]), torch.tensor([2, 1]), {1: 11, 2: 22})
+    assert dets.image_id.tolist() == [7, 7] and dets.category_id.tolist() == [22, 11]
+    assert dets.bbox[0].tolist() == [20.0, 40.0, 80.0, 60.0]  # x, y, w, h
     with pytest.raises(ValueError, match="predicted label 3"):
-        detections_to_array(7, out, torch.tensor([0.9, 0.4]), torch.tensor([3, 1]), {1: 11, 2: 22})
+        detections_of_image(7, out, torch.tensor([0.9, 0.4]), torch.tensor([3, 1]), {1: 11, 2: 22})
+    with pytest.raises(ValueError, match=f"image_id {2**64} does not fit a 64-bit integer"):
+        detections_of_image(2**64, out, torch.tensor([0.9, 0.4]), torch.tensor([2, 1]), {1: 11, 2: 22})
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +224,45 @@ def test_evaluate_in_process(tiny_setup, tmp_path, capsys):
         assert (tmp_path / name).is_file()
     err = capsys.readouterr().err  # stderr is no terminal here: no progress-bar lines
     assert "eval:" not in err and "val loss:" not in err, err
+
+
+def test_image_ids_above_2_53_stay_apart(tmp_path):
+    """Image ids past float64's exact integers (2**53 and its odd and even neighbours):
+    evaluate() files each detection under its own id, in detections.json and in the
+    scores, exactly as with the ids 1..4 (ids once went through float64, merging each
+    odd id into its even neighbour)."""
+    from detector.config import load_config
+    from detector.data import build_dataset
+    from detector.evaluation import evaluate
+    from detector.modeling import build_model
+
+    data = tmp_path / "data"
+    base = tiny_overrides(data, None, "data.shapes.num_train=1", "data.shapes.num_val=4", "data.shapes.max_side=112",
+                          "input.min_size_test=96", "input.max_size_test=128", "roi_heads.score_thresh=0.01",
+                          "eval.score_thresh=0.2")
+    small_cfg = load_config(TINY_CONFIG, base)
+    small = build_dataset(small_cfg, "val", is_train=False)
+    gt = json.loads((data / "val.json").read_text())
+    big_id = {img["id"]: 2**53 - 1 + img["id"] for img in gt["images"]}  # 2**53, 2**53 + 1, ... + 3
+    for img in gt["images"]:
+        img["id"] = big_id[img["id"]]
+    for ann in gt["annotations"]:
+        ann["image_id"] = big_id[ann["image_id"]]
+    (tmp_path / "big.json").write_text(json.dumps(gt))
+    big_cfg = load_config(TINY_CONFIG, base + [f"data.val.ann_file={tmp_path / 'big.json'}"])
+    big = build_dataset(big_cfg, "val", is_train=False)
+    assert big.image_ids == [big_id[i] for i in small.image_ids]
+    torch.manual_seed(0)
+    model = build_model(small_cfg)
+    small_metrics = evaluate(model, small, small_cfg, output_dir=tmp_path / "small")
+    big_metrics = evaluate(model, big, big_cfg, output_dir=tmp_path / "big")
+    small_dets = json.loads((tmp_path / "small" / "detections.json").read_text())
+    big_dets = json.loads((tmp_path / "big" / "detections.json").read_text())
+    assert len({d["image_id"] for d in small_dets}) == 4
+    assert big_dets == [dict(d, image_id=big_id[d["image_id"]]) for d in small_dets]
+    assert all(type(d["image_id"]) is int for d in big_dets)
+    for k in (*COCO_METRIC_NAMES, "mAP_voc07", "mAP_voc_area", "mean_iou", "count_pearson"):
+        assert big_metrics[k] == small_metrics[k] or (np.isnan(big_metrics[k]) and np.isnan(small_metrics[k])), k
 
 
 def test_val_loss_keeps_norm_layers_and_rng(tiny_setup):

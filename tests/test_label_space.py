@@ -16,7 +16,8 @@ from detector.config import ConfigError, load_config
 from detector.data import CocoDetection, DataError, build_dataset, resolve_num_classes
 from detector.data.check import check_dataset
 from detector.evaluation import evaluate
-from detector.evaluation.inference import array_to_detections, detections_to_array
+from detector.evaluation.inference import detections_of_image
+from detector.evaluation.results import Detections
 from detector.evaluation import score_detections
 from detector.modeling import build_model
 from detector.modeling.weights import load_weights
@@ -130,10 +131,10 @@ def test_scoring_through_category_id_labels_equals_pycocotools(tmp_path):
         labels = torch.tensor([d["category_id"] for d in mine], dtype=torch.int64)  # label = category id
         scores = torch.tensor([d["score"] for d in mine], dtype=torch.float64)
         unused = torch.tensor([2, 5, 11]), torch.tensor([[1.0, 1.0, 9.0, 9.0]] * 3), torch.tensor([0.99, 0.5, 0.7])
-        rows.append(detections_to_array(image_id, torch.cat([boxes.reshape(-1, 4), unused[1].double()]),
+        rows.append(detections_of_image(image_id, torch.cat([boxes.reshape(-1, 4), unused[1].double()]),
                                         torch.cat([scores, unused[2].double()]), torch.cat([labels, unused[0]]),
                                         ds.label_to_category_id, skip_unmapped=True))
-    report = score_detections(ds.coco_gt(), array_to_detections(np.concatenate(rows)))
+    report = score_detections(ds.coco_gt(), Detections.concatenate(rows))
     names = [report.metrics[k] for k in ("AP", "AP50", "AP75", "APs", "APm", "APl",
                                           "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")]
     expected = pycocotools_stats(ds.coco_gt(), copy.deepcopy(dets))
@@ -142,7 +143,7 @@ def test_scoring_through_category_id_labels_equals_pycocotools(tmp_path):
     assert [r["category_id"] for r in report.per_class] == list(CAT_IDS)
     assert report.class_names == [f"class_{c}" for c in CAT_IDS] and report.confusion.shape == (6, 6)
     with pytest.raises(ValueError, match="model predicted label 2"):
-        detections_to_array(1, unused[1], unused[2], unused[0], ds.label_to_category_id)
+        detections_of_image(1, unused[1], unused[2], unused[0], ds.label_to_category_id)
 
 
 def test_evaluate_leaves_unused_slots_out(tmp_path):

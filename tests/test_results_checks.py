@@ -166,3 +166,33 @@ def test_written_results_file_is_the_json_dumps_text(case, tmp_path):
     arrays.score[2] = float("nan")
     with pytest.raises(ValueError, match="not JSON compliant"):
         write_results_file(tmp_path / "bad.json", arrays)
+
+
+def test_image_ids_above_2_53_are_read_exactly_and_past_int64_refused(tmp_path):
+    """Results and ground truth with ids 2**53 .. 2**53 + 3 (odd and even neighbours,
+    which float64 merges) keep every id; an id past int64 (2**63, which numpy would read
+    as uint64 and wrap) is one line naming the file and the field."""
+    from detector.evaluation import load_ground_truth, load_predictions, score_detections
+
+    ids = [2**53 + k for k in range(4)]
+    gt = {"images": [{"id": i, "width": 100, "height": 100} for i in ids],
+          "categories": [{"id": 1, "name": "a"}],
+          "annotations": [{"id": k + 1, "image_id": i, "category_id": 1, "bbox": [10.0 + k, 10, 30, 30], "area": 900,
+                           "iscrowd": 0} for k, i in enumerate(ids)]}
+    dets = [{"image_id": i, "category_id": 1, "bbox": [10.0 + k, 10, 30, 30], "score": 0.9} for k, i in enumerate(ids)]
+    (tmp_path / "gt.json").write_text(json.dumps(gt))
+    (tmp_path / "d.json").write_text(json.dumps(dets))
+    gt_read = load_ground_truth(tmp_path / "gt.json")
+    got = load_predictions(tmp_path / "d.json", gt_read)
+    assert got.image_id.dtype == np.int64 and got.image_id.tolist() == ids
+    assert score_detections(gt_read, got).metrics["AP"] == 1.0  # each box on its own image
+    dets[2]["image_id"] = 2**63
+    (tmp_path / "d.json").write_text(json.dumps(dets))
+    with pytest.raises(ResultsError) as info:
+        load_predictions(tmp_path / "d.json", gt_read)
+    assert str(info.value) == f"{tmp_path / 'd.json'}: the 'image_id' values do not fit 64-bit numbers"
+    for d in dets:
+        d["image_id"] = 2**63 + 1
+    (tmp_path / "d.json").write_text(json.dumps(dets))  # all in uint64 range: no wrap to negative ids
+    with pytest.raises(ResultsError, match="'image_id' values do not fit 64-bit numbers"):
+        load_predictions(tmp_path / "d.json", gt_read)

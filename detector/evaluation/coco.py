@@ -48,6 +48,8 @@ BACKENDS = ("pycocotools", "faster")
 # Detections per COCOeval pass. The COCO libraries hold ~1.4 KB of Python objects per
 # detection; 250k keeps a pass near 350 MB.
 CHUNK_DETECTIONS = 250_000
+# Integers above this lose their last bit in a float64.
+SAFE_ID = 2**53
 
 
 @dataclass
@@ -194,6 +196,29 @@ def _merge_evals(evals: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def _exact_ids(gt: Dict[str, Any], dets: Detections) -> tuple[Dict[str, Any], Detections]:
+    """``gt`` and ``dets`` with ids the COCO libraries keep exact.
+
+    faster-coco-eval (1.8) holds ids as float64, so two image ids past 2**53 can become
+    one (an odd id merges into its even neighbour). When an image or annotation id lies
+    beyond +-2**53, image ids are replaced by their rank among the sorted image ids (the
+    order is kept, so COCOeval's image order and its ties are the same) and annotation
+    ids by their rank + 1; the twelve numbers do not depend on the id values. Otherwise
+    both are returned as they are."""
+    img_ids = np.array([img["id"] for img in gt["images"]], dtype=np.int64)
+    ann_ids = np.array([a.get("id", 1) for a in gt["annotations"]], dtype=np.int64)
+    if not any(((ids > SAFE_ID) | (ids < -SAFE_ID)).any() for ids in (img_ids, ann_ids)):
+        return gt, dets
+    uniq = np.unique(img_ids)
+    images = [dict(img, id=int(r)) for img, r in zip(gt["images"], np.searchsorted(uniq, img_ids))]
+    ann_img = np.array([a["image_id"] for a in gt["annotations"]], dtype=np.int64)
+    ann_rank = np.searchsorted(np.unique(ann_ids), ann_ids) + 1
+    anns = [dict(a, image_id=int(r), id=int(k))
+            for a, r, k in zip(gt["annotations"], np.searchsorted(uniq, ann_img), ann_rank)]
+    ranked = Detections(np.searchsorted(uniq, dets.image_id).astype(np.int64), dets.category_id, dets.bbox, dets.score)
+    return dict(gt, images=images, annotations=anns), ranked
+
+
 def coco_evaluate(
     gt: Dict[str, Any],
     results: Any,
@@ -222,6 +247,7 @@ def coco_evaluate(
     dets = as_detections(results)
     if check:
         check_detection_ids(dets, image_ids, gt_cat_ids)
+    gt, dets = _exact_ids(gt, dets)
     coco_gt = build_coco(gt, backend)
     cat_ids = sorted(int(c) for c in coco_gt.getCatIds())
     evals, evaluator = [], None

@@ -32,8 +32,6 @@ logger = logging.getLogger(__name__)
 LOSS_NAMES = ("loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
-# Columns of the per-rank detection array: image_id, category_id, x, y, w, h, score.
-DET_COLUMNS = 7
 
 
 @dataclass
@@ -41,14 +39,15 @@ class InferenceOutput:
     """One rank's detections.
 
     Attributes:
-        detections: float64 [D, 7]: ``image_id, category_id, x, y, w, h, score`` with
-            ``x, y, w, h`` in original-image pixels (COCO ``bbox``), grouped by image in
-            loader order, each image's detections in the model's order.
+        detections: D detections (int64 image and category ids, ``bbox`` ``x, y, w, h``
+            in original-image pixels), grouped by image in loader order, each image's
+            detections in the model's order. Ids stay integers end to end: an id past
+            2**53 would not survive a float64.
         image_ids: the image ids run, in loader order (images without detections too).
         seconds: model time per image (batch time / batch size), synchronised on CUDA.
     """
 
-    detections: np.ndarray
+    detections: Detections
     image_ids: List[int] = field(default_factory=list)
     seconds: List[float] = field(default_factory=list)
 
@@ -100,44 +99,34 @@ def to_original_boxes(boxes: torch.Tensor, target: Mapping[str, Any]) -> torch.T
     return out
 
 
-def detections_to_array(
+def detections_of_image(
     image_id: int, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, label_to_category_id: Mapping[int, int],
     skip_unmapped: bool = False,
-) -> np.ndarray:
-    """One image's detections as rows ``image_id, category_id, x, y, w, h, score``
-    (``boxes`` xyxy original pixels, ``labels`` 1..K mapped to original category ids).
+) -> Detections:
+    """One image's detections (``boxes`` [M, 4] xyxy original pixels, ``scores`` [M],
+    ``labels`` [M] 1..K mapped to original category ids) as :class:`Detections`: int64
+    ids, float64 ``bbox`` ``x, y, w, h`` and scores.
 
     A label ``label_to_category_id`` lacks is a ValueError, or with ``skip_unmapped``
     (labels = category ids, ``data.label_space: category_id``) a detection left out: an
-    unused id slot, which no ground truth category can match."""
+    unused id slot, which no ground truth category can match. An ``image_id`` outside
+    int64 is a ValueError naming it."""
     if skip_unmapped:
         keep = torch.tensor([int(lab) in label_to_category_id for lab in labels.tolist()], dtype=torch.bool)
         boxes, scores, labels = boxes[keep], scores.cpu()[keep], labels[keep]
-    b = boxes.double().numpy()
-    rows = np.empty((b.shape[0], DET_COLUMNS), dtype=np.float64)
-    rows[:, 0] = image_id
+    b = boxes.detach().double().cpu().numpy().reshape(-1, 4)
     try:
-        rows[:, 1] = [label_to_category_id[int(lab)] for lab in labels.tolist()]
+        cats = np.array([label_to_category_id[int(lab)] for lab in labels.tolist()], dtype=np.int64)
     except KeyError as exc:
         raise ValueError(f"model predicted label {exc.args[0]}, which the dataset's label_to_category_id lacks") from None
-    rows[:, 2:4] = b[:, :2]
-    rows[:, 4:6] = b[:, 2:] - b[:, :2]
-    rows[:, 6] = scores.detach().double().cpu().numpy()
-    return rows
-
-
-def array_to_detections(detections: np.ndarray) -> Detections:
-    """Rows of :data:`DET_COLUMNS` -> :class:`~detector.evaluation.results.Detections`."""
-    d = np.asarray(detections, dtype=np.float64).reshape(-1, DET_COLUMNS)
-    return Detections(d[:, 0].astype(np.int64), d[:, 1].astype(np.int64), d[:, 2:6].copy(), d[:, 6].copy())
-
-
-def array_to_results(detections: np.ndarray) -> List[Dict[str, Any]]:
-    """Rows of :data:`DET_COLUMNS` -> COCO results dicts."""
-    return [
-        {"image_id": int(r[0]), "category_id": int(r[1]), "bbox": [float(r[2]), float(r[3]), float(r[4]), float(r[5])], "score": float(r[6])}
-        for r in detections
-    ]
+    if not -(2**63) <= int(image_id) < 2**63:
+        raise ValueError(f"image_id {image_id} does not fit a 64-bit integer")
+    return Detections(
+        image_id=np.full(b.shape[0], int(image_id), dtype=np.int64),
+        category_id=cats.reshape(-1),
+        bbox=np.concatenate([b[:, :2], b[:, 2:] - b[:, :2]], axis=1),
+        score=scores.detach().double().cpu().numpy().reshape(-1),
+    )
 
 
 def run_inference(
@@ -159,7 +148,7 @@ def run_inference(
         amp: autocast the forward pass (``amp_dtype``; device-agnostic).
         progress: show a tqdm bar (the caller turns it off on ranks other than 0).
         skip_unmapped: leave out detections whose label ``label_to_category_id`` lacks
-            (see :func:`detections_to_array`) instead of raising.
+            (see :func:`detections_of_image`) instead of raising.
 
     The model's train/eval mode is restored afterwards.
     """
@@ -167,7 +156,7 @@ def run_inference(
     device = model_device(net)
     was_training = net.training
     net.eval()
-    rows: List[np.ndarray] = []
+    parts: List[Detections] = []
     image_ids: List[int] = []
     seconds: List[float] = []
     try:
@@ -185,13 +174,12 @@ def run_inference(
                 for out, target in zip(outputs, targets):
                     image_id = int(target["image_id"])
                     boxes = to_original_boxes(out["boxes"], target)
-                    rows.append(detections_to_array(image_id, boxes, out["scores"], out["labels"].cpu(),
-                                                    label_to_category_id, skip_unmapped))
+                    parts.append(detections_of_image(image_id, boxes, out["scores"], out["labels"].cpu(),
+                                                     label_to_category_id, skip_unmapped))
                     image_ids.append(image_id)
     finally:
         net.train(was_training)
-    detections = np.concatenate(rows) if rows else np.zeros((0, DET_COLUMNS), dtype=np.float64)
-    return InferenceOutput(detections=detections, image_ids=image_ids, seconds=seconds)
+    return InferenceOutput(detections=Detections.concatenate(parts), image_ids=image_ids, seconds=seconds)
 
 
 @contextlib.contextmanager

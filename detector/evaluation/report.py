@@ -39,7 +39,7 @@ from detector.messages import typed_first_line
 
 from ..distributed import all_gather_object, amp_dtype as resolve_amp_dtype, get_rank, get_world_size
 from .coco import COCO_METRIC_NAMES, coco_evaluate
-from .inference import LOSS_NAMES, array_to_detections, compute_val_loss, run_inference
+from .inference import LOSS_NAMES, compute_val_loss, run_inference
 from .iou import confusion_matrix, group_by_image, iou_metrics
 from .plots import plot_confusion_matrix, plot_pr_curves
 from .results import Detections, as_detections, check_detection_ids, check_ground_truth, write_results_file
@@ -265,7 +265,7 @@ def _infer_and_gather(model: nn.Module, loader: Any, label_to_category_id: Dict[
                       rank: int, world_size: int, skip_unmapped: bool = False) -> List[tuple]:
     """This rank's inference (and validation loss), gathered from every rank.
 
-    Returns ``[(detections float64 [D_r, 7], image_ids, seconds per batch, loss sums or None)]``
+    Returns ``[(Detections of rank r, image_ids, seconds per batch, loss sums or None)]``
     indexed by rank. A failure on any rank stops every rank: the failing one raises its
     own exception, the others a RuntimeError naming it, instead of waiting in the gather
     until the collective's timeout.
@@ -357,14 +357,14 @@ def evaluate(
     return EvalMetrics(metrics, report)
 
 
-def _in_dataset_order(detections: List[np.ndarray], dataset_ids: List[int]) -> Detections:
-    """The ranks' ``[D_r, 7]`` detection arrays (image id first) joined in the data set's
-    image order, whatever the number of ranks (so results and ties are those of one
-    process), each image keeping its own order."""
+def _in_dataset_order(detections: List[Detections], dataset_ids: List[int]) -> Detections:
+    """The ranks' detections joined in the data set's image order, whatever the number
+    of ranks (so results and ties are those of one process), each image keeping its own
+    order. Image ids are compared as integers (int64), never as floats."""
     position = {image_id: k for k, image_id in enumerate(dataset_ids)}
-    joined = np.concatenate(detections)
-    keys = np.array([position[int(i)] for i in joined[:, 0]], dtype=np.int64)
-    return array_to_detections(joined[np.argsort(keys, kind="stable")])
+    joined = Detections.concatenate(detections)
+    keys = np.array([position[i] for i in joined.image_id.tolist()], dtype=np.int64)
+    return joined.take(np.argsort(keys, kind="stable"))
 
 
 def _mean_val_losses(parts: List[Dict[str, Any]]) -> Dict[str, float]:

@@ -134,6 +134,8 @@ def _int_column(values: List[Any]) -> Optional[np.ndarray]:
         return None
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         return None
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        return None  # 2**63 .. 2**64 - 1: would wrap around in int64
     return arr.astype(np.int64, copy=False)
 
 
