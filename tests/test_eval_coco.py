@@ -108,7 +108,7 @@ def test_numpy_backend_arrays_equal_pycocotools_bit_for_bit():
     the whole precision, recall and score arrays equal, on a case with crowd boxes,
     gt without ``area``, every area range, ties in score, repeated detections and more
     than 100 detections in an (image, category)."""
-    from detector.benchmark.results_file import generate_results_case
+    from cases import generate_results_case
 
     gt, dets = generate_results_case(12, 6, 400, num_classes=3, seed=3)
     dets = dets + [dict(d) for d in dets[:40]]  # exact duplicates

@@ -132,7 +132,7 @@ def test_chunked_reading_equals_one_pass_and_names_the_global_index(case, tmp_pa
 def test_large_file_path_equals_pycocotools(tmp_path, backend, monkeypatch):
     """The generator of the 2M benchmark at a tiny size, scored through the file path
     with several category groups and read pieces: the 12 numbers equal pycocotools'."""
-    from detector.benchmark.results_file import main as write_case
+    from cases import main as write_case
     from detector.evaluation import coco as coco_mod
     from detector.evaluation.scoring import load_ground_truth, load_predictions, score_detections
     from eval_fixtures import pycocotools_stats
