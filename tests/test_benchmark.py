@@ -1,4 +1,4 @@
-"""tools/benchmark.py and detector.benchmark: JSON fields, sane values, the
+"""tools/benchmark.py and the benchmarks package: JSON fields, sane values, the
 torchvision counterpart's configuration, the scoring comparison, bad arguments."""
 
 from __future__ import annotations
