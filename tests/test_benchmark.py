@@ -1,4 +1,4 @@
-"""tools/benchmark.py and detector.benchmark: JSON fields, sane values, the
+"""tools/benchmark.py and the benchmarks package: JSON fields, sane values, the
 torchvision counterpart's configuration, the scoring comparison, bad arguments."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from detector.config import load_config
-from detector.benchmark import run_benchmark
-from detector.benchmark.profiling import DENSE_OPS, profile_train_step
-from detector.benchmark.memory import measure_command_memory, peak_memory_bytes, reset_peak_memory
-from detector.benchmark.tasks import benchmark_eval
-from detector.benchmark.timing import summarize_times
-from detector.benchmark.torchvision_ref import build_torchvision_model
+from benchmarks import run_benchmark
+from benchmarks.profiling import DENSE_OPS, profile_train_step
+from benchmarks.memory import peak_memory_bytes, reset_peak_memory
+from benchmarks.tasks import benchmark_eval
+from benchmarks.timing import summarize_times
+from benchmarks.torchvision_ref import build_torchvision_model
 from conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,21 +174,9 @@ def test_tool_bad_input_is_one_line(capsys, config, extra, words):
         assert word in errors[0], errors[0]
 
 
-def test_command_memory_sees_the_child_allocation():
-    import sys
-
-    code = "import time; x = bytearray(200 * 2**20); x[::4096] = b'1' * len(x[::4096]); time.sleep(1.0)"
-    m = measure_command_memory([sys.executable, "-c", code], interval_s=0.05)
-    assert m["returncode"] == 0 and m["samples"] >= 3
-    assert m["peak_tree_rss_bytes"] >= 190 * 2**20
-    assert m["peak_tree_pss_bytes"] >= 190 * 2**20
-    assert m["peak_largest_process_rss_bytes"] >= 190 * 2**20
-
-
-def test_op_counts_include_the_work_on_helper_threads(tiny_cfg, restore_threads):
-    """The profiler sees only the calling thread: with 2 intra-op threads the model runs
-    per-image work on helper threads, and the count must still include it (it equals
-    the count of the serial run)."""
+def test_op_counts_do_not_depend_on_the_thread_count(tiny_cfg, restore_threads):
+    """The profile counts on one intra-op thread, whatever the caller's setting: the
+    count with 2 threads equals the count with 1, and the caller's setting comes back."""
     cfg = tiny_cfg("train.device=cpu", "solver.images_per_gpu=2")
     counts = []
     for threads in (2, 1):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -95,25 +94,3 @@ def test_training_on_a_canvas_gives_finite_losses_and_gradients():
     total.backward()
     assert torch.isfinite(total)
     assert all(torch.isfinite(p.grad).all() for p in canvas.parameters() if p.grad is not None)
-
-
-def test_padding_cost_counts_pixels_per_aspect_group(tmp_path, capsys):
-    from detector.benchmark.canvas_cost import main, padding_cost
-    from detector.data.transforms import resized_shape as resized_size  # the rule main() resizes by
-
-    canvases = [[800, 1344], [1344, 800]]
-    # Two landscape images share a batch; the portrait one is alone in its group.
-    sizes = [(800, 1000), (1000, 800), (800, 1200)]
-    cost = padding_cost(sizes, 2, 32, canvases)
-    assert cost.images == 3
-    assert cost.image_mp * 1e6 == 800 * 1000 + 1000 * 800 + 800 * 1200
-    assert cost.padded_mp * 1e6 == 2 * 800 * 1216 + 1024 * 800  # each batch to a multiple of 32
-    assert cost.canvas_mp * 1e6 == 2 * 800 * 1344 + 1344 * 800  # each batch to its canvas
-    assert cost.canvas_over_padded == pytest.approx((2 * 800 * 1344 + 1344 * 800) / (2 * 800 * 1216 + 1024 * 800) - 1)
-    assert resized_size(480, 640, 800, 1333) == (800, 1067)
-    assert resized_size(300, 1000, 800, 1333) == (400, 1333)  # the longer side caps the scale
-
-    ann = tmp_path / "a.json"
-    ann.write_text(json.dumps({"images": [{"id": 1, "height": 480, "width": 640}]}))
-    cost = main(["--config", str(TINY), "--annotations", str(ann), "--canvases", "[[96, 160]]"])
-    assert json.loads(capsys.readouterr().out)["images"] == 1 and cost.canvas_mp >= cost.padded_mp

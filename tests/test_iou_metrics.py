@@ -140,7 +140,7 @@ def test_greedy_match_all_equals_greedy_match_per_image():
     """All images at once (greedy_match_all) against greedy_match image by image, class
     aware and agnostic: the same matches, IoUs and matched boxes, with ties in score,
     crowd boxes and zero-width boxes."""
-    from detector.benchmark.results_file import generate_results_case
+    from cases import generate_results_case
     from detector.evaluation.iou import greedy_match_all, group_by_image
 
     gt, dets = generate_results_case(30, 6, 60, num_classes=4, seed=1)

@@ -10,7 +10,8 @@ from torchvision.ops import FrozenBatchNorm2d, box_iou
 
 from detector.config import load_config
 from detector.modeling import build_model
-from detector.modeling.backbone import build_resnet_fpn, stem_max_pool
+from detector.modeling.backbone import build_resnet_fpn
+from detector.ops import stem_max_pool
 
 LOSS_KEYS = {"loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box"}
 

@@ -130,7 +130,7 @@ def test_reading_a_results_file_keeps_every_record_and_names_the_global_index(ca
 def test_large_file_path_equals_pycocotools(tmp_path, backend, monkeypatch):
     """The generator of the 2M benchmark at a tiny size, scored through the file path
     with several category groups and read pieces: the 12 numbers equal pycocotools'."""
-    from detector.benchmark.results_file import main as write_case
+    from cases import main as write_case
     from detector.evaluation import coco as coco_mod
     from detector.evaluation import load_ground_truth, load_predictions, score_detections
     from eval_fixtures import pycocotools_stats

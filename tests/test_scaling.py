@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from detector.benchmark.scaling import ScalingSweep, allreduce_share, sweep_verdict
+from benchmarks.scaling import ScalingSweep, allreduce_share, sweep_verdict
 from detector.config import load_config
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
 

@@ -4,10 +4,10 @@
     python tools/benchmark.py --config configs/torchvision_r50_fpn_coco.yaml --task infer \\
         --compare-torchvision --synthetic input.min_size_test=512 input.max_size_test=683
     python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --iters 50 --json out.json
-    python tools/benchmark.py --config configs/demo_shapes.yaml --task memory   # peak RSS of the demo run
+    python tools/benchmark.py --config configs/demo_shapes.yaml --task train --count-ops --no-loader
+    python tools/benchmark.py --config configs/demo_shapes.yaml --task eval   # COCO scoring backends
     python tools/benchmark.py --config configs/demo_shapes.yaml --task scaling   # 1 vs 2 ranks, DDP settings
-    python tools/benchmark.py --config C --task memory --command "python tools/eval.py --config C --weights W"
-    python tools/benchmark.py --task tta --json tta.json   # time to accuracy vs torchvision's recipe, demo config
+    python tools/benchmark.py --task time-to-accuracy --json tta.json   # vs torchvision's recipe, demo config
 
 Trailing key=value arguments override the config. See docs/performance.md.
 """
@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -30,19 +29,24 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # set: offline, a warning and a wait on every start. Set before detector is imported.
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
+# The checkout this file is in: `benchmarks` is a top-level package next to `detector`,
+# importable from a checkout (not installed with the `detector` package).
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import TASKS, format_summary, run_benchmark  # noqa: E402
+from benchmarks.scaling import ScalingSweep  # noqa: E402
 from detector.config import ConfigError, load_config  # noqa: E402
 from detector.data import DataError  # noqa: E402
 from detector.modeling.weights import WeightsError  # noqa: E402
-from detector.benchmark import TASKS, format_summary, run_benchmark  # noqa: E402
-from detector.benchmark.scaling import ScalingSweep  # noqa: E402
 
-TRAIN_PY = Path(__file__).resolve().parent / "train.py"
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_shapes.yaml"
+DEMO_CONFIG = ROOT / "configs" / "demo_shapes.yaml"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config (required, except --task tta: default configs/demo_shapes.yaml)")
+    p.add_argument("--config", help="YAML config (required, except --task time-to-accuracy: default configs/demo_shapes.yaml)")
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
@@ -60,10 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", help="eval: COCO results JSON matching --gt")
     p.add_argument("--eval-images", type=int, default=500, help="eval: images of the generated case (default 500)")
     p.add_argument("--eval-boxes", type=int, default=30, help="eval: objects and detections per image (default 30)")
-    p.add_argument("--command", help="memory: the command line to measure (default: tools/train.py "
-                                      "--config CONFIG with the overrides)")
     p.add_argument("--budget-s", type=float, default=300.0,
-                   help="tta: wall-clock training seconds of each run (default 300)")
+                   help="time-to-accuracy: wall-clock training seconds of each run (default 300)")
     p.add_argument("--world-sizes", default="1,2", help="scaling: world sizes, comma-separated (default 1,2)")
     p.add_argument("--bucket-caps", default="1,25,100", help="scaling: ddp_bucket_cap_mb values swept (default 1,25,100)")
     p.add_argument("--bucket-views", default="false,true",
@@ -72,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args(argv)
     if args.config is None:
-        if args.task != "tta":
+        if args.task != "time-to-accuracy":
             p.error("--config is required")
         args.config = str(DEMO_CONFIG)
     if not args.budget_s > 0:
@@ -108,10 +110,6 @@ def main(argv=None) -> int:
 
 def _run(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config, args.overrides)
-    if args.command:
-        command = shlex.split(args.command)
-    else:
-        command = [sys.executable, str(TRAIN_PY), "--config", args.config, *args.overrides]
     return run_benchmark(
         cfg,
         args.task,
@@ -132,7 +130,6 @@ def _run(args: argparse.Namespace) -> dict:
         overrides=args.overrides,
         torchvision_options=args.torchvision_options,
         threads=args.threads,
-        command=command,
         scaling=args.scaling,
     )
 

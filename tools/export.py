@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from detector.benchmark.export_speed import benchmark_exported  # noqa: E402
+from benchmarks.tasks import benchmark_exported  # noqa: E402
 from detector.config import ConfigError, load_config  # noqa: E402
 from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402

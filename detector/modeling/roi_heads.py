@@ -14,11 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.ops import batched_nms, box_area
 
+from ..ops import multi_level_roi_align, roi_align
 from .box_coder import BoxCoder, clip_boxes
-from .cpu_threads import map_no_grad
 from .losses import weighted_smooth_l1
 from .matching import IGNORE, match_by_iou, pad_boxes, pad_rows, sample_minibatch
-from .roi_align import multi_level_roi_align, roi_align
 
 
 class MultiLevelRoIAlign(nn.Module):
@@ -241,9 +240,7 @@ class ROIHeads(nn.Module):
         deltas_all = box_deltas.float().view(-1, num_classes_with_bg, 4)
         counts = [p.shape[0] for p in proposals]  # tensor sizes, so that tracing keeps them dynamic
         per_image = list(zip(scores_all.split(counts), deltas_all.split(counts), proposals, image_sizes))
-        # Images are independent: on the CPU they run side by side (torchvision's NMS
-        # kernel is single-threaded), with the same results as one after the other.
-        return map_no_grad(lambda args: self.detections_of_image(*args), per_image, class_logits.device)
+        return [self.detections_of_image(*args) for args in per_image]
 
     def detections_of_image(self, scores: Tensor, deltas: Tensor, proposals: Tensor,
                             size: Tuple[int, int]) -> Dict[str, Tensor]:

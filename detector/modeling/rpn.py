@@ -14,7 +14,6 @@ from torchvision.ops import batched_nms
 
 from .anchors import AnchorGenerator
 from .box_coder import BoxCoder, clip_boxes
-from .cpu_threads import map_no_grad
 from .losses import weighted_smooth_l1
 from .matching import Sample, match_by_iou, pad_boxes, sample_minibatch
 
@@ -183,10 +182,8 @@ class RegionProposalNetwork(nn.Module):
         scores = torch.sigmoid(torch.cat(all_logits, dim=1).float())
         levels = torch.cat(all_levels)
 
-        # Images are independent: on the CPU they run side by side (torchvision's NMS
-        # kernel is single-threaded), with the same results as one after the other.
-        return map_no_grad(lambda i: self.filter_and_nms(boxes[i], scores[i], levels, image_sizes[i], post_nms),
-                           range(num_images), boxes.device)
+        # The inputs are detached: the proposals carry no gradient.
+        return [self.filter_and_nms(boxes[i], scores[i], levels, image_sizes[i], post_nms) for i in range(num_images)]
 
     def filter_and_nms(self, boxes: Tensor, scores: Tensor, levels: Tensor, size: Tuple[int, int],
                        post_nms: int) -> Tensor:

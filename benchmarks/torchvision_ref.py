@@ -1,9 +1,14 @@
-"""torchvision's ``FasterRCNN`` configured like a project config, for side-by-side timing."""
+"""torchvision's ``FasterRCNN`` configured like a project config, and the one place that
+trains it as torchvision's ``references/detection`` does (its optimizer, warm-up and
+``engine.train_one_epoch`` iteration): the counterpart of ``--compare-torchvision`` and
+``--task time-to-accuracy``."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 from functools import partial
-from typing import Callable, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torchvision
@@ -18,6 +23,7 @@ from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from detector.config import Config
+from detector.engine.amp import AmpSettings
 
 
 def _tv_norm_layer(cfg: Config) -> Callable[[int], nn.Module]:
@@ -160,3 +166,65 @@ def copy_matching_weights(src: nn.Module, dst: nn.Module) -> Tuple[int, int]:
                 v.copy_(s)
                 n += 1
     return n, len(dst_sd)
+
+
+# torchvision's references/detection: lr 0.02 for 8 GPUs x 2 images, scaled linearly.
+REFERENCE_LR_PER_IMAGE = 0.02 / 16
+REFERENCE_MOMENTUM = 0.9
+REFERENCE_WEIGHT_DECAY = 1e-4
+REFERENCE_WARMUP_FACTOR = 1.0 / 1000
+REFERENCE_MAX_WARMUP_ITERS = 1000
+
+def reference_warmup_iters(batches_per_epoch: int) -> int:
+    """``min(1000, len(loader) - 1)`` as the reference's first epoch, at least 1 (with
+    0, ``LinearLR`` would hold the LR at 1/1000 for good)."""
+    return max(1, min(REFERENCE_MAX_WARMUP_ITERS, batches_per_epoch - 1))
+
+
+def reference_optimizer(model: nn.Module, cfg: Config, batches_per_epoch: int) -> Tuple[Any, Any, Any, Dict[str, Any]]:
+    """The reference's SGD over every trainable parameter, its first-epoch ``LinearLR``
+    warm-up and the ``MultiStepLR`` at ``solver.steps`` iterations (see the module
+    docstring). Returns ``(optimizer, warmup, decay, recipe description)``."""
+    lr = REFERENCE_LR_PER_IMAGE * cfg.solver.images_per_gpu
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=REFERENCE_MOMENTUM, weight_decay=REFERENCE_WEIGHT_DECAY)
+    decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(cfg.solver.steps), gamma=cfg.solver.gamma)
+    warmup_iters = reference_warmup_iters(batches_per_epoch)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=REFERENCE_WARMUP_FACTOR, total_iters=warmup_iters)
+    recipe = {
+        "step": "torchvision references/detection engine.train_one_epoch, written out in benchmarks.torchvision_ref",
+        "optimizer": f"SGD(momentum={REFERENCE_MOMENTUM}, weight_decay={REFERENCE_WEIGHT_DECAY}), torch's defaults "
+                     "otherwise, every trainable parameter",
+        "lr": lr,
+        "schedule": f"LinearLR warm-up {warmup_iters} iterations from {REFERENCE_WARMUP_FACTOR}, MultiStepLR at "
+                    f"iterations {list(cfg.solver.steps)} (gamma {cfg.solver.gamma}), max_iter {cfg.solver.max_iter}",
+        "clip_grad_norm": 0.0,
+    }
+    return optimizer, warmup, decay, recipe
+
+
+def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: List[torch.Tensor],
+                   targets: List[Dict[str, Any]], amp: AmpSettings, scaler: Optional[torch.amp.GradScaler],
+                   device: torch.device) -> float:
+    """One iteration of torchvision's references/detection ``engine.train_one_epoch``:
+    the forward under autocast (``amp``), the sum of the losses, its value read back
+    (the reference's per-iteration ``losses_reduced.item()``) and, unless it is not
+    finite (the reference exits there, before the backward pass), ``zero_grad``,
+    backward and the optimizer step (through ``scaler`` for float16).
+
+    ``images`` and ``targets`` are as the model takes them. Returns the loss value."""
+    autocast = torch.autocast(device.type, dtype=amp.dtype) if amp.enabled else contextlib.nullcontext()
+    with autocast:
+        losses = sum(model(images, targets).values())
+    loss_value = float(losses.detach())
+    if not math.isfinite(loss_value):
+        return loss_value
+    optimizer.zero_grad()
+    if scaler is not None:
+        scaler.scale(losses).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        losses.backward()
+        optimizer.step()
+    return loss_value

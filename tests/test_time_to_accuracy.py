@@ -1,4 +1,4 @@
-"""``tools/benchmark.py --task tta``: time to accuracy, ours against torchvision's
+"""``tools/benchmark.py --task time-to-accuracy``: time to accuracy, ours against torchvision's
 references/detection recipe, on the tiny test config with a budget of seconds."""
 
 from __future__ import annotations
@@ -11,22 +11,23 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIG, load_tool, tiny_config, tiny_overrides
-from detector.benchmark.tta import REFERENCE_LR_PER_IMAGE, Deadline, benchmark_tta, reference_warmup_iters
+from benchmarks.time_to_accuracy import Deadline, benchmark_time_to_accuracy
+from benchmarks.torchvision_ref import REFERENCE_LR_PER_IMAGE, reference_warmup_iters
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_FIELDS = ("iterations", "images", "train_s", "images_per_s", "stopped_by", "AP", "AP50", "eval_s", "lr_last",
               "recipe", "loadavg_start", "loadavg_train_end")
 
 
-def test_tta_json_within_budget(tiny_data, tmp_path):
+def test_time_to_accuracy_json_within_budget(tiny_data, tmp_path):
     budget = 2.0
-    out = tmp_path / "tta.json"
-    rc = load_tool("benchmark").main(["--config", str(TINY_CONFIG), "--task", "tta", "--budget-s", str(budget), "--json", str(out),
+    out = tmp_path / "time_to_accuracy.json"
+    rc = load_tool("benchmark").main(["--config", str(TINY_CONFIG), "--task", "time-to-accuracy", "--budget-s", str(budget), "--json", str(out),
                             *tiny_overrides(tiny_data, None, "solver.max_iter=100000")])
     assert rc == 0
     result = json.loads(out.read_text())
-    assert result["task"] == "tta" and result["device"] == "cpu"
-    t = result["tta"]
+    assert result["task"] == "time-to-accuracy" and result["device"] == "cpu"
+    t = result["time_to_accuracy"]
     assert t["budget_s"] == budget and t["device"] == "cpu" and t["threads"] == torch.get_num_threads()
     assert t["images_per_step"] == 2 and t["val_images"] == 4
     assert set(t["runs"]) == {"ours", "torchvision"}
@@ -45,12 +46,12 @@ def test_tta_json_within_budget(tiny_data, tmp_path):
     assert t["runs"]["torchvision"]["recipe"]["lr"] == pytest.approx(0.02 / 16 * 2)
 
 
-def test_tta_stops_at_max_iter_with_each_recipe_lr(tiny_data, tmp_path):
+def test_time_to_accuracy_stops_at_max_iter_with_each_recipe_lr(tiny_data, tmp_path):
     """A budget the schedule ends first: both stop at solver.max_iter; the LRs are the
     recipes' (ours: the config's after its 2 warm-up iterations; torchvision's: 0.02/16
     per image after min(1000, batches per epoch - 1) = 3 warm-up iterations)."""
     cfg = tiny_config(tiny_data, tmp_path / "run", "solver.max_iter=3")
-    t = benchmark_tta(cfg, budget_s=600.0)["tta"]
+    t = benchmark_time_to_accuracy(cfg, budget_s=600.0)["time_to_accuracy"]
     ours, tv = t["runs"]["ours"], t["runs"]["torchvision"]
     for run in (ours, tv):
         assert run["iterations"] == 3 and run["stopped_by"] == "solver.max_iter"
@@ -77,7 +78,7 @@ def test_deadline_asks_for_the_last_step():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--task", "tta", "--budget-s", "0"], "--budget-s must be > 0"),
+    (["--task", "time-to-accuracy", "--budget-s", "0"], "--budget-s must be > 0"),
     (["--task", "train"], "--config is required"),
 ])
 def test_bad_arguments_one_line(argv, message, capsys):
@@ -90,11 +91,11 @@ def test_bad_arguments_one_line(argv, message, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tta_on_cuda_with_amp(tiny_data, tmp_path, dtype):
+def test_time_to_accuracy_on_cuda_with_amp(tiny_data, tmp_path, dtype):
     """Both recipes on the GPU under autocast (float16: with a GradScaler on each side)."""
     cfg = tiny_config(tiny_data, tmp_path / "run", "solver.max_iter=3", "train.device=cuda",
                       "train.amp.enabled=true", f"train.amp.dtype={dtype}", "train.deterministic=false")
-    t = benchmark_tta(cfg, budget_s=600.0)["tta"]
+    t = benchmark_time_to_accuracy(cfg, budget_s=600.0)["time_to_accuracy"]
     assert t["device"].startswith("cuda") and t["amp"] and t["amp_dtype"] == dtype and t["gpu"]
     for run in t["runs"].values():
         assert run["iterations"] == 3 and run["stopped_by"] == "solver.max_iter"

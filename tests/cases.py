@@ -1,6 +1,9 @@
-"""A large generated COCO results file for timing file-mode scoring (not a test).
+"""Generated COCO cases for the tests: ground truth and a results list of any size.
 
-    python -m detector.benchmark.results_file --images 5000 --objects 7.3 --dets 400 --out /tmp/c2m
+``generate_results_case`` makes the cases of the results-file and IoU-metric tests; run
+as a script it writes a large case for timing file-mode scoring by hand:
+
+    python tests/cases.py --images 5000 --objects 7.3 --dets 400 --out /tmp/c2m
     python tools/eval.py --predictions /tmp/c2m_dets.json --annotations /tmp/c2m_gt.json eval.backend=faster
 
 writes ``<out>_gt.json`` (``--images`` 640x480 images, Poisson(``--objects``) objects

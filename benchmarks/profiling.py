@@ -66,9 +66,8 @@ def profile_train_step(
     device = resolve_device(cfg.train.device)
     if device.type != "cpu":
         return _profile_step(cfg, device, warmup, row_limit, synthetic, torchvision_model, trace_path, task)
-    # The profiler records the calling thread only; on the CPU our model runs some
-    # per-image work on helper threads (detector.modeling.cpu_threads), which one
-    # intra-op thread keeps in the caller: the same operators, all of them counted.
+    # One intra-op thread for both models: operator counts (torchvision's too) depend on
+    # the thread count, and the times are then one core's.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -1,5 +1,6 @@
 """The timed tasks: the model (train or infer, against torchvision), the training step
-fed by the real loader, loader throughput, and COCO scoring."""
+fed by the real loader, loader throughput, COCO scoring, and an exported file against
+the eager model (``tools/export.py --time N``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import copy
 import importlib.util
 import json
 import logging
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from detector.config import Config
 from detector.data import build_dataset
@@ -20,11 +22,13 @@ from detector.data.loader import build_train_loader
 from detector.distributed import resolve_device
 from detector.evaluation.coco import COCO_METRIC_NAMES, coco_evaluate
 from detector.evaluation import score_detections
+from detector.modeling.export import load_exported
+from detector.modeling.faster_rcnn import FasterRCNN
 
 from .batches import cached_batches, cycle_epochs
 from .coco_case import generate_case, pycocotools_direct
 from .steps import apply_speed_options, build_ours, make_ours_train_step, make_step
-from .timing import Runner, run_interleaved
+from .timing import Runner, machine_info, run_interleaved
 from .torchvision_ref import build_torchvision_model, copy_matching_weights
 
 logger = logging.getLogger(__name__)
@@ -218,3 +222,41 @@ def benchmark_eval(
     ref_ips = out["runs"]["pycocotools_direct"]["images_per_s"]
     out["ratio_vs_pycocotools"] = {k: r["images_per_s"] / ref_ips for k, r in out["runs"].items()}
     return out
+
+
+def benchmark_exported(model: FasterRCNN, fmt: str, path: str | os.PathLike, image: Tensor,
+                       iters: int, warmup: int = 2) -> Dict[str, Any]:
+    """Time ``model([image])`` (eager, ``torch.inference_mode``) and the exported file on
+    one ``[3, H, W]`` uint8 image, alternating iteration by iteration (the benchmark's
+    recipe: warm-up, medians, CPU time). ONNX Runtime gets as many intra-op threads as
+    torch (``torch.get_num_threads()``), so both use the same cores.
+
+    Returns ``{"runs": {"eager": summary, fmt: summary}, "ratio": eager median /
+    exported median (> 1: the file is faster), "ratio_cpu_time": the same from the
+    process's CPU time (steadier on a shared machine), "image_size", "machine"}``.
+    """
+    if iters < 1:
+        raise ValueError(f"--time needs at least 1 iteration, got {iters}")
+    device = torch.device("cpu")
+    model = model.eval()
+    run = load_exported(fmt, path, threads=torch.get_num_threads())
+
+    def eager(_i: int) -> int:
+        with torch.inference_mode():
+            model([image])
+        return 1
+
+    def exported(_i: int) -> int:
+        run(image)
+        return 1
+
+    runners = [Runner("eager", eager, device), Runner(fmt, exported, device)]
+    run_interleaved(runners, iters, warmup)
+    runs = {r.name: r.summary() for r in runners}
+    return {
+        "runs": runs,
+        "ratio": runs["eager"]["median_s"] / runs[fmt]["median_s"],
+        "ratio_cpu_time": runs["eager"]["cpu_median_s"] / runs[fmt]["cpu_median_s"],
+        "image_size": list(image.shape[-2:]),
+        "machine": machine_info(device),
+    }

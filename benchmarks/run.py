@@ -16,16 +16,15 @@ from detector.engine.amp import resolve_amp
 from detector.data import DataError, resolve_num_classes
 from detector.distributed import resolve_device
 
-from .memory import measure_command_memory
 from .profiling import SYNC_EVENTS, profile_train_step
 from .scaling import ScalingSweep, benchmark_scaling, format_scaling
 from .tasks import benchmark_data, benchmark_eval, benchmark_model, benchmark_train_loader
 from .timing import machine_info
-from .tta import benchmark_tta, format_tta
+from .time_to_accuracy import benchmark_time_to_accuracy, format_time_to_accuracy
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("train", "infer", "data", "eval", "memory", "tta", "scaling")
+TASKS = ("train", "infer", "data", "eval", "time-to-accuracy", "scaling")
 
 
 def _resolve_num_classes(cfg: Config, synthetic: bool) -> Config:
@@ -58,7 +57,6 @@ def run_benchmark(
     threads: int = 0,
     eval_images: int = 500,
     eval_boxes: int = 30,
-    command: Optional[List[str]] = None,
     count_ops: bool = False,
     budget_s: float = 300.0,
     scaling: Optional[ScalingSweep] = None,
@@ -67,7 +65,8 @@ def run_benchmark(
 
     Args:
         task: ``train`` (cached batches, then the real loader unless ``loader=False``),
-            ``infer``, ``data`` (loader throughput) or ``eval`` (COCO scoring).
+            ``infer``, ``data`` (loader throughput), ``eval`` (COCO scoring),
+            ``time-to-accuracy`` or ``scaling``.
         iters: timed iterations (>= 1); warmup: untimed ones before.
         compare_torchvision: also time torchvision's FasterRCNN (train/infer).
         synthetic: random batches at the input size instead of the configured data.
@@ -78,12 +77,12 @@ def run_benchmark(
             (default: torchvision as it comes).
         threads: ``torch.set_num_threads`` (0: leave PyTorch's default).
         eval_images, eval_boxes: size of the generated case of ``task="eval"``.
-        command: ``task="memory"``: the command line whose process tree is measured.
         count_ops: train: add ``ops_per_step`` and ``host_syncs_per_step`` (ours and
             torchvision's) from ``torch.profiler`` over one step after warm-up.
-        budget_s: ``task="tta"``: training seconds of each run (``detector.benchmark.tta``).
+        budget_s: ``task="time-to-accuracy"``: training seconds of each run
+            (``benchmarks.time_to_accuracy``).
         scaling: ``task="scaling"``: world sizes and DDP settings to sweep
-            (``detector.benchmark.scaling``; default ``ScalingSweep()``).
+            (``benchmarks.scaling``; default ``ScalingSweep()``).
 
     Returns a dict with ``task``, ``config``, ``machine``, ``iters``, ``warmup``,
     ``runs`` (name -> :func:`summarize_times` fields plus ``peak_memory_bytes``,
@@ -93,7 +92,7 @@ def run_benchmark(
     _check_arguments(task, iters, warmup, profile, count_ops, compare_torchvision, threads)
     if threads:
         torch.set_num_threads(threads)
-    device = resolve_device(cfg.train.device) if task in ("train", "infer", "tta", "scaling") else torch.device("cpu")
+    device = resolve_device(cfg.train.device) if task in ("train", "infer", "time-to-accuracy", "scaling") else torch.device("cpu")
     if task in ("train", "infer", "scaling"):
         cfg = _resolve_num_classes(cfg, synthetic)
     result: Dict[str, Any] = {
@@ -120,13 +119,8 @@ def run_benchmark(
             result.update(_profiles(cfg, task, synthetic, profile, count_ops, compare_torchvision))
     elif task == "data":
         result.update(benchmark_data(cfg, iters, warmup))
-    elif task == "memory":
-        if not command:
-            raise ValueError("--task memory needs the command to run (e.g. the training command line)")
-        result["memory"] = measure_command_memory(list(command))
-        result["runs"] = {}
-    elif task == "tta":
-        result.update(benchmark_tta(cfg, budget_s))
+    elif task == "time-to-accuracy":
+        result.update(benchmark_time_to_accuracy(cfg, budget_s))
     elif task == "scaling":
         result.update(benchmark_scaling(cfg, iters, warmup, scaling or ScalingSweep(), num_batches, synthetic, threads))
     else:
@@ -193,8 +187,8 @@ def _profiles(cfg: Config, task: str, synthetic: bool, profile: bool, count_ops:
 
 def format_summary(result: Dict[str, Any]) -> str:
     """A short human-readable table of a :func:`run_benchmark` result."""
-    if result["task"] == "tta":
-        return format_tta(result)
+    if result["task"] == "time-to-accuracy":
+        return format_time_to_accuracy(result)
     lines = [f"task={result['task']} device={result['device']} iters={result['iters']} warmup={result['warmup']}"]
     mem_unit = "MiB"
     for name, r in result["runs"].items():
@@ -212,13 +206,6 @@ def format_summary(result: Dict[str, Any]) -> str:
     if "ratio_vs_pycocotools" in result:
         for k, v in result["ratio_vs_pycocotools"].items():
             lines.append(f"  {k} / pycocotools_direct speed: {v:.3f} (max |stat diff| {result['max_abs_diff_vs_pycocotools'][k]:.2e})")
-    if "memory" in result:
-        m = result["memory"]
-        lines.append(
-            f"  {' '.join(m['command'][1:])}: exit {m['returncode']}, {m['wall_s']:.0f} s, peak tree RSS "
-            f"{m['peak_tree_rss_bytes'] / 2**30:.2f} GiB, peak tree PSS {m['peak_tree_pss_bytes'] / 2**30:.2f} GiB, "
-            f"largest process {m['peak_largest_process_rss_bytes'] / 2**30:.2f} GiB"
-        )
     if "ops_per_step" in result:
         lines.append(f"  aten ops per step: {result['ops_per_step']}; host syncs per step: "
                      f"{result['host_syncs_per_step']}; nonzero per step: {result['nonzero_per_step']}")

@@ -1,10 +1,12 @@
 """RoIAlign with torchvision's forward and a vectorised CPU backward.
 
-A drop-in for ``torchvision.ops.roi_align`` (used by ``MultiLevelRoIAlign``).
+A drop-in for ``torchvision.ops.roi_align`` (used by ``modeling.roi_heads.MultiLevelRoIAlign``).
 
 torchvision's CPU backward kernel recomputes the bilinear weights for every channel in
 scalar, single-threaded code; it is the second most expensive operator of a training
-step on CPU (16-21 % of the demo's step, docs/performance.md). The weights depend only
+step on CPU (16-21 % of the demo's step). Measured side by side in one process,
+forward + backward on the CPU with 2 threads: 2.6x torchvision's on the demo's 800 RoIs
+over 4 FPN levels, 1.9x on one R50-FPN level at 512 px (docs/performance.md). The weights depend only
 on the boxes, so the backward is one sparse-dense product,
 
     grad_input[N*H*W, C] = S[N*H*W, R*PH*PW] @ grad_output[R*PH*PW, C],
@@ -18,7 +20,7 @@ point at or past the last row/column uses that row/column for both corners.
 Over several FPN levels (``multi_level_roi_align``) the backward is one product for all
 levels: the rows of ``S`` run over the levels' feature maps one after the other.
 
-The forward is torchvision's op itself (outputs bit-identical). CUDA tensors, dtypes
+The forward is torchvision's op itself, level by level (outputs bit-identical). CUDA tensors, dtypes
 other than float32/float64 (e.g. under bfloat16 autocast) and ``sampling_ratio <= 0``
 (adaptive grid, a different count per box) use torchvision's op for both passes.
 """
@@ -32,12 +34,6 @@ import torchvision  # noqa: F401  (registers torch.ops.torchvision)
 from torch import Tensor
 from torchvision.ops import roi_align as tv_roi_align
 
-from .cpu_threads import map_no_grad, worker_count
-
-
-# Below this many RoIs per thread the threads' start-up costs more than they save.
-MIN_ROIS_PER_THREAD = 64
-
 
 def rois_for_kernel(rois: Tensor, features: Tensor) -> Tensor:
     """``rois`` in the dtype torchvision's kernel is to see with ``features``. Under
@@ -48,28 +44,6 @@ def rois_for_kernel(rois: Tensor, features: Tensor) -> Tensor:
     if torch.is_autocast_enabled(features.device.type):
         return rois
     return rois.to(features.dtype)
-
-
-def roi_align_forward(features: Tensor, rois: Tensor, spatial_scale: float, pooled_h: int, pooled_w: int,
-                      sampling_ratio: int, aligned: bool) -> Tensor:
-    """``torch.ops.torchvision.roi_align`` without autograd: ``[N, C, H, W]`` features,
-    ``[R, 5]`` rois -> ``[R, C, PH, PW]``.
-
-    torchvision's CPU kernel runs on one thread. On the CPU the RoIs are split into
-    chunks of at least ``MIN_ROIS_PER_THREAD`` run on ``torch.get_num_threads()`` threads
-    (``cpu_threads``); each output row is computed by the same kernel, so the result is
-    bit-identical (1.6x faster with 2 threads on the demo's 800 RoIs; docs/performance.md)."""
-    parts = map_no_grad(lambda part: torch.ops.torchvision.roi_align(
-        features, part, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned),
-        _thread_chunks(rois, features.device), features.device)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _thread_chunks(rois: Tensor, device: torch.device) -> Tuple[Tensor, ...]:
-    """``rois`` split into one chunk per worker thread (``cpu_threads.worker_count``), each
-    of at least ``MIN_ROIS_PER_THREAD`` RoIs: a single chunk off the CPU, while tracing,
-    with one intra-op thread or for few RoIs."""
-    return rois.chunk(worker_count(device, rois.shape[0] // MIN_ROIS_PER_THREAD))
 
 
 def sampling_matrix(
@@ -142,7 +116,8 @@ class _RoIAlignSparseBackward(torch.autograd.Function):
         ctx.save_for_backward(rois)
         ctx.shape = tuple(features.shape)
         ctx.params = (spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned)
-        return roi_align_forward(features, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned)
+        return torch.ops.torchvision.roi_align(features, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio,
+                                               aligned)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
@@ -247,7 +222,7 @@ class _MultiLevelRoIAlign(torch.autograd.Function):
         ctx.save_for_backward(rois, levels)
         ctx.shapes = [tuple(f.shape) for f in features]
         ctx.params = (scales, pooled, sampling_ratio, aligned)
-        return pool_by_level(features, rois, levels, scales, pooled, sampling_ratio, aligned)
+        return _pool_level_by_level(features, rois, levels, pooled, scales, sampling_ratio, aligned)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
@@ -271,8 +246,7 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
     in ``[0, len(features))`` (``MultiLevelRoIAlign.level_of`` clamps), so every row is written.
 
     On CPU with float32/float64 features, ``sampling_ratio > 0`` and a gradient needed, the
-    backward is one sparse product for all levels; without a gradient (and not traced)
-    ``pool_by_level``; otherwise ``roi_align`` level by level.
+    backward is one sparse product for all levels; otherwise ``roi_align`` level by level.
 
     Returns ``[R, C, PH, PW]``, torchvision's values."""
     needs_grad = torch.is_grad_enabled() and any(f.requires_grad for f in features)
@@ -282,9 +256,13 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
         rois = rois.to(features[0].dtype)
         return _MultiLevelRoIAlign.apply(rois, levels, tuple(float(s) for s in scales), tuple(output_size),
                                          int(sampling_ratio), bool(aligned), *features)
-    if not needs_grad and not torch.jit.is_tracing():
-        return pool_by_level(features, rois, levels, scales, output_size, sampling_ratio, aligned)
-    # With autograd (off the CPU), or traced (the level split must stay in the graph).
+    return _pool_level_by_level(features, rois, levels, output_size, scales, sampling_ratio, aligned)
+
+
+def _pool_level_by_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
+                         scales: Sequence[float], sampling_ratio: int, aligned: bool) -> Tensor:
+    """:func:`roi_align` of each level's RoIs on its level, written into ``[R, C, PH, PW]``
+    in RoI order (dtype of ``features[0]``). Traceable: the level split stays in the graph."""
     out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + tuple(output_size))
     for level, (feat, scale) in enumerate(zip(features, scales)):
         idx = torch.where(levels == level)[0]
@@ -292,31 +270,3 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
         out.index_put_((idx,), pooled.to(out.dtype))  # not out[idx] = ...: traced, that bakes in len(idx) == 1
     return out
 
-
-def pool_by_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, scales: Sequence[float],
-                  output_size: Tuple[int, int], sampling_ratio: int, aligned: bool) -> Tensor:
-    """``multi_level_roi_align``'s values without autograd: ``[R, 5]`` rois, ``[R]`` levels
-    -> ``[R, C, PH, PW]`` in the dtype of ``features[0]``.
-
-    The RoIs are grouped by level with a stable sort (one host read: the per-level
-    counts). Every piece of torchvision's kernel, a chunk of one level's RoIs, runs on
-    ``cpu_threads`` at once, so that the threads share all levels' work; the pieces go
-    back to RoI order with one ``index_copy_``, or none when one level holds every RoI.
-    Not for tracing: the counts would be baked in."""
-    ph, pw = int(output_size[0]), int(output_size[1])
-    device, dtype = features[0].device, features[0].dtype
-    order = torch.argsort(levels, stable=True)
-    counts = torch.bincount(levels, minlength=len(features)).tolist()
-    pieces = []
-    for level, group in enumerate(rois[order].split(counts)):
-        if group.shape[0]:
-            pieces += [(level, rois_for_kernel(chunk, features[level])) for chunk in _thread_chunks(group, device)]
-    parts = map_no_grad(lambda piece: torch.ops.torchvision.roi_align(
-        features[piece[0]], piece[1], float(scales[piece[0]]), ph, pw, int(sampling_ratio), bool(aligned)),
-        pieces, device)
-    if not parts:
-        return features[0].new_zeros((0, features[0].shape[1], ph, pw))
-    pooled = torch.cat([part.to(dtype) for part in parts]) if len(parts) > 1 else parts[0].to(dtype)
-    if max(counts) == rois.shape[0]:  # one level: the stable sort kept RoI order
-        return pooled
-    return torch.empty_like(pooled).index_copy_(0, order, pooled)

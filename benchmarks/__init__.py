@@ -19,16 +19,20 @@ iteration), so background load on a shared machine affects both alike. The repor
 ``ratio`` is ours / torchvision in images per second (> 1: ours is faster).
 
 Entry point: :func:`run_benchmark` (``tools/benchmark.py`` parses arguments and calls it).
+Tasks: ``train`` (with ``--count-ops`` / ``--profile``), ``infer``, ``data``, ``eval``,
+``time-to-accuracy`` and ``scaling`` (docs/performance.md).
 
-Modules: ``timing`` (runners, statistics, machine), ``memory`` (peak memory, a
-command's process tree), ``batches``, ``torchvision_ref`` (the torchvision counterpart),
-``steps`` (the timed steps), ``profiling``, ``tasks``, ``coco_case`` (the scoring
-reference), ``loader_sweep`` (loader throughput by worker count), ``tta`` (time to
-accuracy against torchvision's references/detection recipe), ``canvas_cost`` (padded
-pixels of ``model.canvas_sizes``), ``scaling`` (1 vs 2 ranks under DDP, all-reduce share,
-the ``train.ddp_*`` sweep), ``run`` (the entry).
+Modules: ``timing`` (runners, statistics, machine), ``memory`` (peak memory of this
+process), ``batches``, ``torchvision_ref`` (torchvision's model built like a config, and
+its references/detection training iteration: the one place that trains it), ``steps``
+(the timed steps), ``profiling``, ``tasks`` (the timed tasks, and an exported file
+against the eager model for ``tools/export.py --time``), ``coco_case`` (the scoring
+reference of ``--task eval``), ``time_to_accuracy``, ``scaling`` (1 vs 2 ranks under
+DDP, all-reduce share, the ``train.ddp_*`` sweep), ``run`` (the entry).
 
-This package is the top layer of the library: nothing in ``detector`` imports it.
+A top-level package next to ``detector``, not part of it: nothing in ``detector``
+imports it. It runs from a checkout (``tools/benchmark.py`` puts the checkout on
+``sys.path``; pytest has ``pythonpath = ["."]``).
 """
 
 from .run import TASKS, format_summary, run_benchmark

@@ -1,4 +1,4 @@
-"""Time to accuracy (``tools/benchmark.py --task tta``): the project's training against
+"""Time to accuracy (``tools/benchmark.py --task time-to-accuracy``): the project's training against
 torchvision's ``references/detection`` recipe, each for the same wall-clock budget,
 both scored by the same evaluator.
 
@@ -11,7 +11,7 @@ The two runs, one after the other in this process, on the same device and AMP se
   time); logging stays as the config says. The run folder is a temporary directory.
 - ``torchvision``: :class:`torchvision.models.detection.FasterRCNN` with the same
   backbone, FPN, anchors, samplers and head sizes
-  (:func:`detector.benchmark.torchvision_ref.build_torchvision_model`), from random
+  (:func:`benchmarks.torchvision_ref.build_torchvision_model`), from random
   initialisation as ours, trained as ``references/detection`` (``train.py`` and
   ``engine.train_one_epoch``) trains it: SGD over every trainable parameter, momentum
   0.9, weight decay 1e-4 (norm layers and biases included), LR ``0.02 / 16`` per image
@@ -68,18 +68,10 @@ from detector.engine.trainer import build_trainer
 from detector.evaluation import evaluate
 
 from .batches import cycle_epochs
-from .steps import reference_step
 from .timing import synchronize
-from .torchvision_ref import build_torchvision_model
+from .torchvision_ref import build_torchvision_model, reference_optimizer, reference_step
 
 logger = logging.getLogger(__name__)
-
-# torchvision's references/detection: lr 0.02 for 8 GPUs x 2 images, scaled linearly.
-REFERENCE_LR_PER_IMAGE = 0.02 / 16
-REFERENCE_MOMENTUM = 0.9
-REFERENCE_WEIGHT_DECAY = 1e-4
-REFERENCE_WARMUP_FACTOR = 1.0 / 1000
-REFERENCE_MAX_WARMUP_ITERS = 1000
 
 SCHEDULE_NOTE = (
     "both schedules keep the config's length (solver.max_iter) and are not compressed to the budget; "
@@ -165,12 +157,6 @@ class TorchvisionInputs(nn.Module):
         return self.model(images, targets)
 
 
-def reference_warmup_iters(batches_per_epoch: int) -> int:
-    """``min(1000, len(loader) - 1)`` as the reference's first epoch, at least 1 (with
-    0, ``LinearLR`` would hold the LR at 1/1000 for good)."""
-    return max(1, min(REFERENCE_MAX_WARMUP_ITERS, batches_per_epoch - 1))
-
-
 def _run_record(name: str, iterations: int, images: int, train_s: float, stopped_by: str,
                 load_start: Optional[List[float]], lr_last: float) -> Dict[str, Any]:
     return {
@@ -221,28 +207,6 @@ def train_ours(cfg: Config, budget_s: float, output_dir: str) -> Tuple[Optional[
     record["recipe"] = recipe
     del trainer  # its loader's workers go with it
     return model, record
-
-
-def reference_optimizer(model: nn.Module, cfg: Config, batches_per_epoch: int) -> Tuple[Any, Any, Any, Dict[str, Any]]:
-    """The reference's SGD over every trainable parameter, its first-epoch ``LinearLR``
-    warm-up and the ``MultiStepLR`` at ``solver.steps`` iterations (see the module
-    docstring). Returns ``(optimizer, warmup, decay, recipe description)``."""
-    lr = REFERENCE_LR_PER_IMAGE * cfg.solver.images_per_gpu
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=REFERENCE_MOMENTUM, weight_decay=REFERENCE_WEIGHT_DECAY)
-    decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(cfg.solver.steps), gamma=cfg.solver.gamma)
-    warmup_iters = reference_warmup_iters(batches_per_epoch)
-    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=REFERENCE_WARMUP_FACTOR, total_iters=warmup_iters)
-    recipe = {
-        "step": "torchvision references/detection engine.train_one_epoch, written out in detector.benchmark.tta",
-        "optimizer": f"SGD(momentum={REFERENCE_MOMENTUM}, weight_decay={REFERENCE_WEIGHT_DECAY}), torch's defaults "
-                     "otherwise, every trainable parameter",
-        "lr": lr,
-        "schedule": f"LinearLR warm-up {warmup_iters} iterations from {REFERENCE_WARMUP_FACTOR}, MultiStepLR at "
-                    f"iterations {list(cfg.solver.steps)} (gamma {cfg.solver.gamma}), max_iter {cfg.solver.max_iter}",
-        "clip_grad_norm": 0.0,
-    }
-    return optimizer, warmup, decay, recipe
 
 
 def train_torchvision(cfg: Config, device: torch.device, budget_s: float) -> Tuple[Optional[nn.Module], Dict[str, Any]]:
@@ -303,10 +267,10 @@ def score(model: nn.Module, val_dataset: Any, cfg: Config, device: torch.device)
     return {"AP": float(metrics["AP"]), "AP50": float(metrics["AP50"]), "eval_s": round(time.perf_counter() - t0, 3)}
 
 
-def benchmark_tta(cfg: Config, budget_s: float) -> Dict[str, Any]:
+def benchmark_time_to_accuracy(cfg: Config, budget_s: float) -> Dict[str, Any]:
     """Train ours, then torchvision's recipe, ``budget_s`` seconds each; score both.
 
-    Returns ``{"tta": {"budget_s", "device", "amp", "threads", "schedule", "budget_rule",
+    Returns ``{"time_to_accuracy": {"budget_s", "device", "amp", "threads", "schedule", "budget_rule",
     "runs": {"ours": R, "torchvision": R}}}`` where each R has ``iterations``,
     ``images``, ``train_s``, ``images_per_s``, ``stopped_by``, ``AP``, ``AP50``
     (None when a non-finite loss ended the run), ``eval_s``, ``lr_last``, ``recipe``
@@ -318,7 +282,7 @@ def benchmark_tta(cfg: Config, budget_s: float) -> Dict[str, Any]:
     amp = resolve_amp(cfg.train.amp, device)
     val_dataset = build_dataset(cfg, "val", False)
     runs: Dict[str, Dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="tta_ours_") as run_dir:
+    with tempfile.TemporaryDirectory(prefix="time_to_accuracy_ours_") as run_dir:
         logger.info("time to accuracy: ours for %.0f s on %s", budget_s, device)
         model, runs["ours"] = train_ours(cfg, budget_s, run_dir)
         runs["ours"].update(_score_or_none(model, val_dataset, cfg, device))
@@ -326,7 +290,7 @@ def benchmark_tta(cfg: Config, budget_s: float) -> Dict[str, Any]:
     logger.info("time to accuracy: torchvision's recipe for %.0f s on %s", budget_s, device)
     model, runs["torchvision"] = train_torchvision(cfg, device, budget_s)
     runs["torchvision"].update(_score_or_none(model, val_dataset, cfg, device))
-    return {"tta": {
+    return {"time_to_accuracy": {
         "budget_s": float(budget_s),
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -347,10 +311,10 @@ def _score_or_none(model: Optional[nn.Module], val_dataset: Any, cfg: Config, de
     return score(model, val_dataset, cfg, device)
 
 
-def format_tta(result: Dict[str, Any]) -> str:
-    """A small table of a ``--task tta`` result."""
-    t = result["tta"]
-    lines = [f"task=tta budget {t['budget_s']:.0f} s per run, device={t['device']} amp={t['amp']} "
+def format_time_to_accuracy(result: Dict[str, Any]) -> str:
+    """A small table of a ``--task time-to-accuracy`` result."""
+    t = result["time_to_accuracy"]
+    lines = [f"task=time-to-accuracy budget {t['budget_s']:.0f} s per run, device={t['device']} amp={t['amp']} "
              f"threads={t['threads']} images/step={t['images_per_step']} val images={t['val_images']}",
              f"  {'run':<12s} {'AP':>6s} {'AP50':>6s} {'iters':>6s} {'images/s':>9s} {'train s':>8s} "
              f"{'eval s':>7s}  {'stopped by':<16s} load (start -> end of training)"]

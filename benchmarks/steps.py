@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from detector.config import Config
-from detector.engine.amp import AmpSettings, resolve_amp
+from detector.engine.amp import resolve_amp
 from detector.engine.optim import build_lr_scheduler, build_optimizer
 from detector.engine.setup import apply_speed_options as engine_speed_options, configure_torch, prepare_model
 from detector.engine.step import TrainStep
 from detector.modeling import build_model
 
 from .batches import Batch
+from .torchvision_ref import reference_step
 
 
 def build_ours(cfg: Config, device: torch.device) -> nn.Module:
@@ -54,33 +55,6 @@ def _targets_to(targets: Sequence[Dict[str, Any]], device: torch.device) -> List
 def _tv_images(images: Sequence[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
     """uint8 [3,H,W] -> float 0..1 on ``device`` (torchvision's input convention)."""
     return [img.to(device, non_blocking=True).float().div_(255.0) for img in images]
-
-
-def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: List[torch.Tensor],
-                   targets: List[Dict[str, Any]], amp: AmpSettings, scaler: Optional[torch.amp.GradScaler],
-                   device: torch.device) -> float:
-    """One iteration of torchvision's references/detection ``engine.train_one_epoch``:
-    the forward under autocast (``amp``), the sum of the losses, its value read back
-    (the reference's per-iteration ``losses_reduced.item()``) and, unless it is not
-    finite (the reference exits there, before the backward pass), ``zero_grad``,
-    backward and the optimizer step (through ``scaler`` for float16).
-
-    ``images`` and ``targets`` are as the model takes them. Returns the loss value."""
-    autocast = torch.autocast(device.type, dtype=amp.dtype) if amp.enabled else contextlib.nullcontext()
-    with autocast:
-        losses = sum(model(images, targets).values())
-    loss_value = float(losses.detach())
-    if not math.isfinite(loss_value):
-        return loss_value
-    optimizer.zero_grad()
-    if scaler is not None:
-        scaler.scale(losses).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        losses.backward()
-        optimizer.step()
-    return loss_value
 
 
 def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config,

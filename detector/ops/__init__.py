@@ -1,0 +1,15 @@
+"""Hand-written speed code the model uses, each kept because it is at least 2x faster
+than the library operator it stands in for on a case users have, measured side by side
+in one process (docs/performance.md), and each giving the library operator's values:
+
+- ``roi_align``, ``multi_level_roi_align``: torchvision's RoIAlign forward with a
+  vectorised (sparse-product) CPU backward;
+- ``stem_max_pool``: the ResNet stem's max pool without a gradient on the CPU.
+
+The floor under ``detector.modeling``: it imports torch and torchvision only.
+"""
+
+from .max_pool import stem_max_pool, stem_pool_by_views
+from .roi_align import multi_level_roi_align, roi_align
+
+__all__ = ["multi_level_roi_align", "roi_align", "stem_max_pool", "stem_pool_by_views"]
