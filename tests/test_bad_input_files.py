@@ -22,9 +22,9 @@ from detector.data.check import check_dataset, format_report
 from detector.data.files import load_image
 from conftest import load_tool
 
-check_main = load_tool("check_dataset").main
+from conftest import ROOT  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+check_main = load_tool("check_dataset").main
 
 
 def write_coco(tmp: Path, file_name: str, w: int = 40, h: int = 30) -> tuple[Path, Path]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import mmap
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from benchmarks.timing import summarize_times
 from benchmarks.torchvision_ref import build_torchvision_model
 from conftest import load_tool
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 

@@ -7,7 +7,6 @@ import random
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from detector.engine.checkpointing import (
     set_rng_state,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 
 
 def test_save_is_loadable_with_weights_only_and_leaves_no_temp(tmp_path):

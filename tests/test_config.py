@@ -18,7 +18,7 @@ from detector.config import (
     save_config,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 
 
 def _write(path: Path, text: str) -> Path:

@@ -19,7 +19,7 @@ import torch
 from detector.engine.log import read_jsonl
 from conftest import TINY_CONFIG, tiny_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 
 WORKER = textwrap.dedent("""
     import json, os, sys

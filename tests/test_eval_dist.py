@@ -15,7 +15,7 @@ import torch
 from detector.evaluation.report import _check_coverage
 from conftest import TINY_CONFIG, tiny_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 NUM_VAL = 7  # odd: shards of 4 and 3
 
 

@@ -16,7 +16,6 @@ from eval_fixtures import pycocotools_stats
 from conftest import load_tool
 
 pytestmark = pytest.mark.realdata
-ROOT = Path(__file__).resolve().parents[1]
 
 # From ../shared/data/real/README.md (pycocotools 2.0.11 on coco_eval_val2014_100).
 README_NUMBERS = [

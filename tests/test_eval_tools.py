@@ -18,7 +18,7 @@ from detector.evaluation.plots import plot_confusion_matrix, plot_pr_curves
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
 from eval_fixtures import make_coco_case, pycocotools_stats
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 
 
 def printed_numbers(text):

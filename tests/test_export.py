@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from detector.modeling.export import (
     verify_export,
 )
 from conftest import load_tool
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
 needs_ort = pytest.mark.skipif(not HAS_ORT, reason=f"onnx/onnxruntime not installed ({INSTALL_HINT})")

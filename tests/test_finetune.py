@@ -21,7 +21,7 @@ from detector.modeling.weights import WeightsError, load_initial_weights
 from detector.modeling import build_model
 from conftest import TINY_CONFIG, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 PRED = "roi_heads.box_predictor."
 
 

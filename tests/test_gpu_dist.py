@@ -16,7 +16,7 @@ import torch
 import syncbn_check as sc
 from detector.data.shapes import ensure_shapes
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 TOL = 1e-10
 
 BACKENDS = [

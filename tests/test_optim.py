@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from detector.engine.optim import (
 )
 from detector.modeling import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 RULES = "solver.param_groups=[{match: backbone.body, lr_mult: 0.1}, {match: roi_heads.box_predictor, lr_mult: 10, weight_decay_mult: 0}]"
 
 

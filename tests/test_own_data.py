@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 SMALL = ['"input.min_size_train=[128]"', "input.max_size_train=160", "input.min_size_test=128",
          "input.max_size_test=160", "solver.max_iter=2", "model.backbone_weights="]
 

@@ -43,7 +43,7 @@ from detector.engine.log import setup_logging
 from detector.engine.run_folder import check_output_dir
 from conftest import load_tool
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 # VOC objects of the tiny tree: image id -> class names (one box each).

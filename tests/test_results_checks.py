@@ -8,7 +8,6 @@ import copy
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from detector.evaluation.results import ResultsError, read_results_file
 from eval_fixtures import make_coco_case
 from conftest import load_tool
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 BAD = 3  # index of the broken record
 
 

@@ -30,7 +30,7 @@ import torch
 from conftest import TINY_CONFIG, tiny_config, tiny_overrides
 from detector.data.shapes import ensure_shapes
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 TRAIN = str(ROOT / "tools" / "train.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 MAX_ITER = 6

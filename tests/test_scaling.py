@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from benchmarks.scaling import ScalingSweep, allreduce_share, sweep_verdict
 from detector.config import load_config
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

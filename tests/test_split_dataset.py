@@ -30,7 +30,6 @@ from detector.data.split import (
 )
 from conftest import load_tool
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

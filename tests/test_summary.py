@@ -4,7 +4,6 @@ against the hand formula, frozen counts following model.freeze_at."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from detector.modeling import build_model
 from detector.modeling.summary import count_flops, count_parameters, model_parts, model_summary
 from conftest import load_tool, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 

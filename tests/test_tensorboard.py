@@ -3,7 +3,6 @@ metrics, images with boxes and the config text."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,6 @@ from detector.engine.log import read_jsonl
 from detector.engine.trainer import build_trainer
 from conftest import tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow

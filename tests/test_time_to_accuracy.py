@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from conftest import TINY_CONFIG, load_tool, tiny_config, tiny_overrides
 from benchmarks.time_to_accuracy import Deadline, benchmark_time_to_accuracy
 from benchmarks.torchvision_ref import REFERENCE_LR_PER_IMAGE, reference_warmup_iters
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN_FIELDS = ("iterations", "images", "train_s", "images_per_s", "stopped_by", "AP", "AP50", "eval_s", "lr_last",
               "recipe", "loadavg_start", "loadavg_train_end")
 

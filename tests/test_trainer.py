@@ -32,7 +32,7 @@ from detector.engine.trainer import build_trainer
 from detector.modeling import build_model
 from conftest import TINY_CONFIG, load_tool, tiny_config, tiny_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 
 
 @pytest.fixture(scope="module")

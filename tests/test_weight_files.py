@@ -23,7 +23,7 @@ from detector.modeling import weights as weights_module
 from detector.modeling.weights import WeightsError, read_weights_file
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402
 
 
 class NotWeights:
