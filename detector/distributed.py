@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from detector.config import AMPConfig
-from detector.messages import first_line
+from detector.messages import DetectorError, first_line
 
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -47,7 +47,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 QUIET_STOP_WAIT_S = 10.0
 
 
-class LaunchError(RuntimeError):
+class LaunchError(DetectorError, RuntimeError):
     """The launch asks for something this machine cannot give (one-line message).
 
     ``report`` is False on the ranks that stop because another rank reports the problem:

@@ -34,15 +34,26 @@ def test_labels_stay_inside_a_64px_image():
         assert (band == np.array(color, dtype=np.uint8)).all(axis=-1).any()  # the legend has both
 
 
-def test_engine_entry_point_draws_the_same():
-    from detector.engine.log import draw_detections as from_engine
-
+def test_draw_detections_puts_each_box_on_the_scaled_image():
+    """The TensorBoard drawing (engine hooks): the image scaled by 7 (48 px -> 336 >= 320),
+    ground truth and prediction outlines at 7x their coordinates in their own colours,
+    the image's own pixels elsewhere, and the legend band below."""
+    torch.manual_seed(0)
     image = torch.randint(0, 255, (3, 48, 80), dtype=torch.uint8)
     gt = torch.tensor([[5.0, 5.0, 30.0, 30.0]])
     pred = torch.tensor([[6.0, 4.0, 31.0, 29.0]])
     a = draw_detections(image, gt, pred, ["dog 0.50"])
-    assert from_engine is draw_detections
-    assert a.dtype == torch.uint8 and a.shape[0] == 3 and a.shape[1] > 48 * 6
+    assert a.dtype == torch.uint8 and a.shape[0] == 3 and a.shape[2] == 80 * 7 and a.shape[1] > 48 * 7
+    pixel = lambda y, x: tuple(a[:, y, x].tolist())  # noqa: E731
+    for y in (100, 150, 190):  # the right and left edges, below the caption
+        assert pixel(y, 30 * 7) == GT_COLOR and pixel(y, 5 * 7) == GT_COLOR
+        assert pixel(y, 31 * 7) == PRED_COLOR and pixel(y, 6 * 7) == PRED_COLOR
+    assert pixel(29 * 7, 120) == PRED_COLOR and pixel(30 * 7, 120) == GT_COLOR  # the bottom edges
+    scaled = image.repeat_interleave(7, dim=1).repeat_interleave(7, dim=2)
+    assert torch.equal(a[:, 230:336, 240:560], scaled[:, 230:336, 240:560])  # away from the boxes: untouched
+    legend = a[:, 48 * 7:].permute(1, 2, 0).reshape(-1, 3)
+    for color in (GT_COLOR, PRED_COLOR):
+        assert (legend == torch.tensor(color, dtype=torch.uint8)).all(dim=1).any()
 
 
 @pytest.mark.parametrize("num_classes", [3, 20, 80])

@@ -11,6 +11,7 @@ from torchvision.ops import box_iou
 
 from detector.evaluation.iou import (IGNORED, UNMATCHED, confusion_matrix, count_mae, greedy_match, group_by_image,
                                      iou_metrics, pearson)
+from detector.evaluation.iou import _pair_iou_torchvision
 
 
 def xywh(b):
@@ -64,9 +65,19 @@ def test_greedy_match_by_score_per_class():
 
 
 def test_pairwise_iou_is_torchvision():
+    """The matcher's IoU of paired boxes gives torchvision's box_iou doubles, bit for bit,
+    on the hand case, random boxes (overlapping, disjoint, nested) and touching edges."""
     db, _, _, gb, _ = tensors(DETS, GT)
-    expected = box_iou(db, gb)
-    assert expected[1, 0] == pytest.approx(0.8) and expected[2, 1] == pytest.approx(0.5)
+    ours = _pair_iou_torchvision(db[[1, 2]].double().numpy(), gb[[0, 1]].double().numpy())
+    assert ours.tolist() == pytest.approx([0.8, 0.5])
+    rng = np.random.default_rng(0)
+    xy = rng.uniform(0, 100, (2, 500, 2))
+    wh = rng.uniform(0.5, 60, (2, 500, 2))
+    a, b = (np.concatenate([xy[i], xy[i] + wh[i]], axis=1) for i in range(2))
+    a[-1], b[-1] = [0, 0, 10, 10], [10, 0, 20, 10]  # touching: IoU 0
+    expected = box_iou(torch.from_numpy(a), torch.from_numpy(b)).diagonal().numpy()
+    np.testing.assert_array_equal(_pair_iou_torchvision(a, b), expected)
+    assert 0 < (expected > 0).mean() < 1  # both overlapping and disjoint pairs were tried
 
 
 def test_ignored_ground_truth():

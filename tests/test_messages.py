@@ -20,3 +20,60 @@ def test_typed_first_line():
     assert typed_first_line(ValueError("x2 <= x1\ntrace")) == "ValueError: x2 <= x1"
     assert typed_first_line(KeyError()) == "KeyError"
     assert typed_first_line(OSError("")) == "OSError"
+
+
+# detector/cli.py: the one way every tool turns an error into one line and an exit status.
+
+import logging  # noqa: E402
+
+from detector.cli import run_tool  # noqa: E402
+from detector.config import ConfigError  # noqa: E402
+from detector.distributed import LaunchError  # noqa: E402
+from detector.engine.checkpoint import CheckpointError  # noqa: E402
+from detector.messages import DetectorError  # noqa: E402
+from detector.modeling.weights import WeightsError  # noqa: E402
+
+
+def _raise(exc):
+    def body():
+        raise exc
+    return body
+
+
+def test_library_errors_share_one_base_and_keep_their_builtin_one():
+    assert issubclass(ConfigError, DetectorError) and issubclass(ConfigError, ValueError)
+    assert issubclass(WeightsError, DetectorError) and issubclass(WeightsError, ValueError)
+    assert issubclass(CheckpointError, DetectorError) and issubclass(CheckpointError, RuntimeError)
+
+
+@pytest.mark.parametrize("exc,line", [
+    (ConfigError("model.num_clases: unknown key; did you mean model.num_classes?"),
+     "error: model.num_clases: unknown key; did you mean model.num_classes?"),
+    (CheckpointError("runs/x/checkpoints/last.pth: truncated\nmore detail"), "error: runs/x/checkpoints/last.pth: truncated"),
+    (FileNotFoundError(2, "No such file or directory", "cfg.yaml"), "error: [Errno 2] No such file or directory: 'cfg.yaml'"),
+    (PermissionError(13, "Permission denied", "/out"), "error: [Errno 13] Permission denied: '/out'"),
+    (ValueError("bad value"), "error: bad value"),
+    (ImportError("eval.backend=faster needs the 'faster-coco-eval' package"),
+     "error: eval.backend=faster needs the 'faster-coco-eval' package"),
+])
+def test_run_tool_expected_errors_one_line_status_1(exc, line, capsys, caplog):
+    with caplog.at_level(logging.DEBUG, logger="detector"):
+        assert run_tool(_raise(exc)) == 1
+    captured = capsys.readouterr()
+    assert captured.err == line + "\n" and captured.out == ""
+    assert caplog.records[-1].exc_info[1] is exc  # the traceback: to log.txt (DEBUG), not the console
+
+
+def test_run_tool_status_and_interrupt(capsys):
+    assert run_tool(lambda: 0) == 0 and run_tool(lambda: 1) == 1
+    assert run_tool(_raise(KeyboardInterrupt()), interrupted="stopped; resume") == 130
+    assert capsys.readouterr().err == "error: stopped; resume\n"
+    assert run_tool(_raise(LaunchError("reported by rank 0", report=False))) == 1
+    assert capsys.readouterr().err == ""  # another rank prints the line
+
+
+def test_run_tool_lets_bugs_through():
+    with pytest.raises(KeyError):
+        run_tool(_raise(KeyError("boxes")))
+    with pytest.raises(RuntimeError):
+        run_tool(_raise(RuntimeError("CUDA error: an illegal memory access")))

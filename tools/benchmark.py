@@ -37,9 +37,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import TASKS, format_summary, run_benchmark  # noqa: E402
 from benchmarks.scaling import ScalingSweep  # noqa: E402
-from detector.config import ConfigError, load_config  # noqa: E402
-from detector.data import DataError  # noqa: E402
-from detector.modeling.weights import WeightsError  # noqa: E402
+from detector.cli import run_tool  # noqa: E402
+from detector.config import load_config  # noqa: E402
 
 DEMO_CONFIG = ROOT / "configs" / "demo_shapes.yaml"
 
@@ -96,11 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
-        result = _run(args)
-    except (ConfigError, DataError, WeightsError, FileNotFoundError) as exc:  # bad input: one line
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return run_tool(lambda: benchmark(args))
+
+
+def benchmark(args: argparse.Namespace) -> int:
+    """Run the task; print its summary; write the full result to --json if given."""
+    result = _run(args)
     print(format_summary(result))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.data.check import check_dataset, format_report  # noqa: E402
 
@@ -38,6 +39,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``tools/check_dataset.py --config C [--split train] [key=value ...]``; returns the exit status."""
     args = parse_args(argv)
+    return run_tool(lambda: check(args))
+
+
+def check(args: argparse.Namespace) -> int:
+    """Print the report; 1 when it holds errors."""
     cfg = load_config(args.config, args.overrides)
     report = check_dataset(cfg, args.split, decode=not args.no_decode)
     print(format_report(report))

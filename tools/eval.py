@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from detector.config import ConfigError, load_config  # noqa: E402
-from detector.messages import first_line  # noqa: E402
+from detector.cli import run_tool  # noqa: E402
+from detector.config import load_config  # noqa: E402
 
 logger = logging.getLogger("detector.tools.eval")
 
@@ -132,12 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.predictions:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    try:
-        return score_file(args) if args.predictions else run_model(args)
-    except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError, ImportError) as exc:
-        msg = first_line(exc)
-        print(f"error: {msg}", file=sys.stderr)
-        return 1
+    return run_tool(lambda: score_file(args) if args.predictions else run_model(args))
 
 
 if __name__ == "__main__":

@@ -46,10 +46,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.tasks import benchmark_exported  # noqa: E402
-from detector.config import ConfigError, load_config  # noqa: E402
+from detector.cli import run_tool  # noqa: E402
+from detector.config import load_config  # noqa: E402
 from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
-from detector.messages import first_line  # noqa: E402
 from detector.modeling.weights import load_weights  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.export import (  # noqa: E402
@@ -121,34 +121,34 @@ def format_timing(result: dict) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        # --weights holds every weight: build without initial weights (nothing to download).
-        cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
-        model = build_model(cfg)
-        load_weights(model, args.weights, strict=True)
-        model.eval()
-        images = test_images(tuple(args.image_size or default_image_size(cfg)), args.image)
-        output = Path(args.output)
-        if not args.verify_only:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            export_model(model, args.format, output, images[0], opset=args.opset)
-            print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {args.format})")
-        print(f"parity check: boxes within {args.box_tol:g} px + {args.box_rtol:g} x the longer image side, "
-              f"scores within {args.score_tol:g}, same labels")
-        reports = verify_export(model, args.format, output, images, args.box_tol, args.score_tol, args.box_rtol)
-        for report in reports:
-            print(report.line())
-        bad = [r for r in reports if not r.ok]
-        if bad:
-            raise ExportError(f"{output} does not match the eager model: {bad[0].line()}")
-        print(f"parity ok: {args.format} file matches the eager model on {len(reports)} images")
-        if args.time:
-            print(format_timing(benchmark_exported(model, args.format, output, images[0], args.time)))
-        return 0
-    except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError, ImportError) as exc:
-        msg = first_line(exc)
-        print(f"error: {msg}", file=sys.stderr)
-        return 1
+    return run_tool(lambda: export(args))
+
+
+def export(args: argparse.Namespace) -> int:
+    """Export (unless --verify-only), check the file against the eager model, time it."""
+    # --weights holds every weight: build without initial weights (nothing to download).
+    cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
+    model = build_model(cfg)
+    load_weights(model, args.weights, strict=True)
+    model.eval()
+    images = test_images(tuple(args.image_size or default_image_size(cfg)), args.image)
+    output = Path(args.output)
+    if not args.verify_only:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        export_model(model, args.format, output, images[0], opset=args.opset)
+        print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {args.format})")
+    print(f"parity check: boxes within {args.box_tol:g} px + {args.box_rtol:g} x the longer image side, "
+          f"scores within {args.score_tol:g}, same labels")
+    reports = verify_export(model, args.format, output, images, args.box_tol, args.score_tol, args.box_rtol)
+    for report in reports:
+        print(report.line())
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        raise ExportError(f"{output} does not match the eager model: {bad[0].line()}")
+    print(f"parity ok: {args.format} file matches the eager model on {len(reports)} images")
+    if args.time:
+        print(format_timing(benchmark_exported(model, args.format, output, images[0], args.time)))
+    return 0
 
 
 if __name__ == "__main__":

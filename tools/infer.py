@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from detector.config import ConfigError, load_config  # noqa: E402
-from detector.messages import first_line  # noqa: E402
+from detector.cli import run_tool  # noqa: E402
+from detector.config import load_config  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -72,37 +72,37 @@ def class_names_for(cfg) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    try:
-        from detector.data.transforms import build_transforms
-        from detector.modeling.weights import load_model_weights
-        from detector.distributed import resolve_device
-        from detector.evaluation import list_images, predict_files, write_json
-        from detector.modeling import build_model
+    return run_tool(lambda: infer(args))
 
-        cfg = load_config(args.config, args.overrides)
-        paths = list_images(args.input)
-        device = resolve_device(cfg.train.device)
-        model = build_model(cfg)
-        load_model_weights(model, args.weights)
-        model.to(device).eval()
-        records, skipped = predict_files(
-            model,
-            paths,
-            args.output_dir,
-            class_names_for(cfg),
-            transform=build_transforms(cfg, is_train=False, seed=0),
-            score_thresh=args.score_thresh,
-        )
-        write_json(Path(args.output_dir) / "detections.json", records)
-        print(f"{len(records)} image(s) written to {args.output_dir}")
-        if skipped:
-            print(f"error: skipped {len(skipped)} unreadable image(s): {'; '.join(skipped)}", file=sys.stderr)
-            return 1
-        return 0
-    except (ConfigError, ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
-        msg = first_line(exc)
-        print(f"error: {msg}", file=sys.stderr)
+
+def infer(args: argparse.Namespace) -> int:
+    """Detect on every image of --input; write the drawings and detections.json."""
+    from detector.data.transforms import build_transforms
+    from detector.modeling.weights import load_model_weights
+    from detector.distributed import resolve_device
+    from detector.evaluation import list_images, predict_files, write_json
+    from detector.modeling import build_model
+
+    cfg = load_config(args.config, args.overrides)
+    paths = list_images(args.input)
+    device = resolve_device(cfg.train.device)
+    model = build_model(cfg)
+    load_model_weights(model, args.weights)
+    model.to(device).eval()
+    records, skipped = predict_files(
+        model,
+        paths,
+        args.output_dir,
+        class_names_for(cfg),
+        transform=build_transforms(cfg, is_train=False, seed=0),
+        score_thresh=args.score_thresh,
+    )
+    write_json(Path(args.output_dir) / "detections.json", records)
+    print(f"{len(records)} image(s) written to {args.output_dir}")
+    if skipped:
+        print(f"error: skipped {len(skipped)} unreadable image(s): {'; '.join(skipped)}", file=sys.stderr)
         return 1
+    return 0
 
 
 if __name__ == "__main__":

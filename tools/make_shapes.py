@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from detector.cli import run_tool  # noqa: E402
 from detector.data.shapes import generate_shapes  # noqa: E402
 
 
@@ -39,6 +40,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    return run_tool(lambda: make(args))
+
+
+def make(args: argparse.Namespace) -> int:
     out = generate_shapes(args.out, args.train, args.val, args.seed, args.min_side, args.max_side)
     print(f"wrote {args.train} train and {args.val} val images to {out}")
     return 0

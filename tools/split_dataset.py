@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from detector.cli import run_tool  # noqa: E402
 from detector.data.split import split_dataset  # noqa: E402
-from detector.messages import first_line  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -53,14 +53,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        paths, table = split_dataset(args.out, annotations=args.annotations, voc_root=args.voc_root,
-                                     voc_split=args.voc_split, fractions=args.fractions, folds=args.folds,
-                                     seed=args.seed, overwrite=args.overwrite)
-    except (ValueError, OSError) as exc:
-        msg = first_line(exc)
-        print(f"error: {msg}", file=sys.stderr)
-        return 1
+    return run_tool(lambda: split(args))
+
+
+def split(args: argparse.Namespace) -> int:
+    """Write the split files; print the boxes per class per split."""
+    paths, table = split_dataset(args.out, annotations=args.annotations, voc_root=args.voc_root,
+                                 voc_split=args.voc_split, fractions=args.fractions, folds=args.folds,
+                                 seed=args.seed, overwrite=args.overwrite)
     print(table)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -32,8 +32,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from detector.config import ConfigError, load_config  # noqa: E402
-from detector.messages import first_line  # noqa: E402
+from detector.cli import run_tool  # noqa: E402
+from detector.config import load_config  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.summary import default_image_size, format_summary, model_summary  # noqa: E402
 
@@ -50,21 +50,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
-        size = tuple(args.image_size) if args.image_size else default_image_size(cfg)
-        torch.manual_seed(0)  # random init: the RPN's proposal count (the RoI heads' FLOPs) repeats
-        summary = model_summary(build_model(cfg), size)
-        print(format_summary(summary))
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
-            print(f"summary written to {args.json}")
-        return 0
-    except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
-        msg = first_line(exc)
-        print(f"error: {msg}", file=sys.stderr)
-        return 1
+    return run_tool(lambda: summarize(args))
+
+
+def summarize(args: argparse.Namespace) -> int:
+    """Print the summary; write it to --json if given."""
+    cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
+    size = tuple(args.image_size) if args.image_size else default_image_size(cfg)
+    torch.manual_seed(0)  # random init: the RPN's proposal count (the RoI heads' FLOPs) repeats
+    summary = model_summary(build_model(cfg), size)
+    print(format_summary(summary))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        print(f"summary written to {args.json}")
+    return 0
 
 
 if __name__ == "__main__":

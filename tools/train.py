@@ -29,20 +29,13 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 # Allow `python tools/train.py` from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from detector.config import ConfigError, load_config  # noqa: E402
+from detector.cli import report_error, run_tool  # noqa: E402
+from detector.config import load_config  # noqa: E402
 from detector import distributed  # noqa: E402
-from detector.engine.checkpointing import CheckpointError, CheckpointWriteError  # noqa: E402
-from detector.engine.hooks import EvaluationError, NonFiniteLossError  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
-from detector.engine.run_folder import RunFolder, RunFolderError, check_output_dir  # noqa: E402
+from detector.engine.run_folder import RunFolder, check_output_dir  # noqa: E402
 from detector.engine.trainer import train  # noqa: E402
-from detector.modeling.weights import WeightsError  # noqa: E402
-
-# Expected failures: one line on stderr, exit status 1, the traceback in log.txt only.
-EXPECTED_ERRORS = (
-    ConfigError, CheckpointError, CheckpointWriteError, WeightsError, NonFiniteLossError, EvaluationError,
-    RunFolderError, FileNotFoundError, ValueError,
-)
+from detector.messages import DetectorError  # noqa: E402
 
 logger = logging.getLogger("detector.tools.train")
 
@@ -71,6 +64,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Expected failures: one line on stderr, exit status 1, the traceback in log.txt only.
+    # Ctrl-C is handled by the training loop (a checkpoint, then a clean stop); a second
+    # SIGINT/SIGTERM stops at once, without a checkpoint.
+    return run_tool(lambda: run(args),
+                    interrupted="interrupted by a second signal; resume from the last checkpoint written")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train in the run folder (one process of a distributed launch); rank 0 prints the
+    final metrics. A collective that fails because a peer process died: one line naming it."""
     overrides = list(args.overrides)
     if args.output_dir is not None:
         overrides.append(f"train.output_dir={args.output_dir}")
@@ -88,24 +91,12 @@ def main(argv: list[str] | None = None) -> int:
             setup_logging(cfg.train.output_dir, rank)
             logger.info("process: %s", info.describe())
             result = train(cfg, resume=args.resume, dist_info=info, run_folder=folder)
-    except distributed.LaunchError as exc:  # e.g. more NCCL ranks than GPUs: one line from one rank
-        if exc.report:
-            print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except EXPECTED_ERRORS as exc:
-        logger.debug("stopped with an error", exc_info=True)  # the traceback goes to log.txt only
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     except RuntimeError as exc:
-        message = distributed.lost_rank_message(exc, info)  # a peer process died: one line naming it
+        # A peer process died: one line naming it. Any other RuntimeError goes on up.
+        message = None if isinstance(exc, DetectorError) else distributed.lost_rank_message(exc, info)
         if message is None:
             raise
-        logger.debug("stopped with an error", exc_info=True)
-        print(f"error: {message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # a second SIGINT/SIGTERM: stop at once, without a checkpoint
-        print("error: interrupted by a second signal; resume from the last checkpoint written", file=sys.stderr)
-        return 130
+        return report_error(exc, line=message)
     finally:
         distributed.cleanup()
     if rank == 0:

@@ -20,10 +20,12 @@ import math
 import typing
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
+from detector.messages import DetectorError
+
 from .schema import Config
 
 
-class ConfigError(ValueError):
+class ConfigError(DetectorError, ValueError):
     """A config file or override that does not fit the schema."""
 
 

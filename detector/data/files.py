@@ -13,10 +13,10 @@ from typing import Any, Optional
 import numpy as np
 from PIL import Image
 
-from detector.messages import first_line
+from detector.messages import DetectorError, first_line
 
 
-class DataError(ValueError):
+class DataError(DetectorError, ValueError):
     """Bad input data (annotation file, image file, or a data set empty after filtering)."""
 
 

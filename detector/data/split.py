@@ -39,11 +39,12 @@ import numpy as np
 from .coco import parse_coco
 from .dataset import Issues
 from .files import DataError, read_json
+from detector.messages import DetectorError
 
 SPLIT_NAMES = ("train", "val", "test")
 
 
-class SplitError(ValueError):
+class SplitError(DetectorError, ValueError):
     """A split request that cannot be met (bad fractions, an empty split, too many folds)."""
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from detector.config import Config, ConfigError, config_from_dict, config_to_dict
 from detector.distributed import all_gather_object
 from detector.engine.optim import WarmupLRScheduler
-from detector.messages import first_line
+from detector.messages import DetectorError, first_line
 from detector.modeling.weights import WeightsError, load_weights, read_weights_file
 
 logger = logging.getLogger(__name__)
@@ -43,11 +43,11 @@ logger = logging.getLogger(__name__)
 _REQUIRED = ("model", "optimizer", "scheduler", "iteration")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DetectorError, RuntimeError):
     """A training checkpoint that cannot be read or does not fit."""
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(DetectorError, RuntimeError):
     """A checkpoint could not be written (disk full, no permission): one line."""
 
 

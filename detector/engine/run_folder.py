@@ -37,6 +37,7 @@ from typing import IO, Any, List, Optional, Tuple
 from detector.config import ConfigError
 from detector.engine import checkpointing as ckpt
 from detector.distributed import all_gather_object
+from detector.messages import DetectorError
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ LOCK_NAME = ".lock"
 _RUN_OUTPUTS = ("metrics.jsonl", "tb", "eval", "log.txt")
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(DetectorError, RuntimeError):
     """The run folder cannot be used as asked: one line."""
 
 

@@ -27,10 +27,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from detector.messages import DetectorError
+
 FIELDS = ("image_id", "category_id", "bbox", "score")
 
 
-class ResultsError(ValueError):
+class ResultsError(DetectorError, ValueError):
     """A results or ground-truth record that cannot be scored (one line, named)."""
 
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .faster_rcnn import FasterRCNN
 
-from detector.messages import first_line
+from detector.messages import DetectorError, first_line
 
 FORMATS = ("torchscript", "onnx")
 INSTALL_HINT = "pip install -e \".[export]\""
@@ -47,7 +47,7 @@ DEFAULT_OPSET = 17
 Detections = Tuple[Tensor, Tensor, Tensor]  # boxes [M, 4] float32, scores [M] float32, labels [M] int64
 
 
-class ExportError(RuntimeError):
+class ExportError(DetectorError, RuntimeError):
     """An export or parity-check failure, with a one-line message."""
 
 

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 from torchvision.models import get_weight
 
-from detector.messages import first_line
+from detector.messages import DetectorError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ _PRE_V2_RENAMES = [
 _SHOWN = 3  # mismatched keys named in a message
 
 
-class WeightsError(ValueError):
+class WeightsError(DetectorError, ValueError):
     """A weights file or state dict that cannot be read or does not fit the model.
     The message is one line and names the file (or ``model.weights``)."""
 

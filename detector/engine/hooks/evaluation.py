@@ -21,12 +21,12 @@ from detector.engine.log import EventWriters, TensorBoardWriter
 from detector.engine.amp import AmpSettings
 from detector.engine.train_loop import HookBase, LoopState
 from detector.evaluation import draw_detections, evaluate as default_evaluate, write_report
-from detector.messages import typed_first_line
+from detector.messages import DetectorError, typed_first_line
 
 logger = logging.getLogger(__name__)
 
 
-class EvaluationError(RuntimeError):
+class EvaluationError(DetectorError, RuntimeError):
     """The final evaluation failed (the final checkpoint is saved): one line."""
 
 

@@ -8,11 +8,12 @@ import logging
 from detector.distributed import all_gather_object
 from detector.engine.checkpointing import Checkpointer
 from detector.engine.train_loop import HookBase, LoopState
+from detector.messages import DetectorError
 
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(DetectorError, RuntimeError):
     """``train.max_nonfinite_steps`` non-finite losses in a row: one line."""
 
 
