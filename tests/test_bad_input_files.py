@@ -21,8 +21,9 @@ from detector.data import CocoDetection, DataError, VOCDetection, build_dataset
 from detector.data.check import check_dataset, format_report
 from detector.data.files import load_image
 from conftest import load_tool
+from conftest import ROOT, TINY_CONFIG  # noqa: E402
 
-from conftest import ROOT  # noqa: E402
+check_main = load_tool("check_dataset").main  # tools/check_dataset.py
 
 check_main = load_tool("check_dataset").main
 
@@ -77,7 +78,7 @@ def test_file_name_outside_the_root_stops_the_tools(tmp_path, capsys):
 def test_train_tool_refuses_file_name_outside_the_root(tmp_path):
     img_dir, ann = write_coco(tmp_path, "../../x.jpg")
     data = [f"data.{s}.{k}={v}" for s in ("train", "val") for k, v in (("root", img_dir), ("ann_file", ann))]
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(TINY_CONFIG),
                            "data.format=coco", *data, "model.num_classes=1", f"train.output_dir={tmp_path / 'run'}",
                            "solver.max_iter=1"],
                           capture_output=True, text=True, timeout=300)
@@ -169,7 +170,7 @@ def test_16bit_png_trains_as_a_scaled_image(tmp_path):
     model as an image with the full 0..255 range, and gives finite losses."""
     img_dir, ann = write_coco(tmp_path, "g16.png")
     (img_dir / "g16.png").write_bytes(encode(GRADIENT16, "PNG"))
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
+    cfg = load_config(TINY_CONFIG, [
         "data.format=coco", f"data.train.root={img_dir}", f"data.train.ann_file={ann}",
         "input.min_size_train=[60]", "input.max_size_train=96", "input.hflip_prob=0"])
     image, target = build_dataset(cfg, "train", is_train=True)[0]
@@ -272,7 +273,7 @@ def test_infer_skips_unreadable_images_and_names_them(tmp_path, capsys):
     torch.manual_seed(0)
     from detector.modeling import build_model
 
-    model = build_model(load_config(ROOT / "configs" / "tiny_cpu.yaml", cfg_args))
+    model = build_model(load_config(TINY_CONFIG, cfg_args))
     torch.save(model.state_dict(), tmp_path / "w.pth")
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -281,7 +282,7 @@ def test_infer_skips_unreadable_images_and_names_them(tmp_path, capsys):
     (inputs / "b_broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     Image.fromarray(rng.integers(0, 255, (70, 50, 3), dtype=np.uint8)).save(inputs / "c.png")
     out = tmp_path / "out"
-    rc = load_tool("infer").main(["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights",
+    rc = load_tool("infer").main(["--config", str(TINY_CONFIG), "--weights",
                                   str(tmp_path / "w.pth"), "--input", str(inputs), "--output-dir", str(out), *cfg_args])
     captured = capsys.readouterr()
     assert rc == 1

@@ -20,6 +20,8 @@ from benchmarks.torchvision_ref import build_torchvision_model
 from conftest import load_tool
 
 from conftest import ROOT  # noqa: E402
+# configs/tiny_cpu.yaml on purpose: the CPU example config in the benchmark tool's usage
+# (tools/benchmark.py --task data), timed as a user runs it.
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 

@@ -18,7 +18,7 @@ from detector.config import (
     save_config,
 )
 
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, TINY_CONFIG  # noqa: E402
 
 
 def _write(path: Path, text: str) -> Path:
@@ -94,7 +94,7 @@ def test_yaml_is_read_safely(tmp_path):
 
 
 def test_round_trip_yaml_and_checkpoint_data(tmp_path):
-    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", ["solver.param_groups=[{match: backbone.body, lr_mult: 0.1}]"])
+    cfg = load_config(TINY_CONFIG, ["solver.param_groups=[{match: backbone.body, lr_mult: 0.1}]"])
     save_config(cfg, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == cfg
     torch.save({"config": config_to_dict(cfg)}, tmp_path / "c.pth")

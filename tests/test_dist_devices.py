@@ -23,6 +23,8 @@ from detector.distributed import (
     resolve_device,
 )
 
+from conftest import TINY_CONFIG
+
 
 @pytest.mark.parametrize("backend,device_type,expected", [
     ("auto", "cuda", "nccl"), ("auto", "cpu", "gloo"), ("gloo", "cuda", "gloo"),
@@ -41,9 +43,9 @@ def test_resolve_backend_errors():
 
 def test_bad_dist_backend_is_a_config_error(repo_root):
     with pytest.raises(ConfigError) as err:
-        load_config(repo_root / "configs" / "tiny_cpu.yaml", ["train.dist_backend=ncl"])
+        load_config(TINY_CONFIG, ["train.dist_backend=ncl"])
     assert str(err.value) == "config key 'train.dist_backend' is 'ncl'; expected one of auto, nccl, gloo"
-    assert load_config(repo_root / "configs" / "tiny_cpu.yaml").train.dist_backend == "auto"
+    assert load_config(TINY_CONFIG).train.dist_backend == "auto"
 
 
 def test_gloo_ranks_share_gpus_round_robin():
@@ -158,7 +160,7 @@ def test_torchrun_two_nccl_ranks_on_one_gpu_stop_with_one_line(repo_root, tmp_pa
     (tmp_path / "site" / "sitecustomize.py").write_text(ONE_FAKE_GPU)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{repo_root}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(repo_root / "tools" / "train.py"), "--config", str(repo_root / "configs" / "tiny_cpu.yaml"),
+           str(repo_root / "tools" / "train.py"), "--config", str(TINY_CONFIG),
            f"train.output_dir={tmp_path / 'run'}", "train.device=auto"]
     proc = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr

@@ -126,7 +126,7 @@ def test_infer_writes_one_annotated_image_per_input(tmp_path):
 
     cfg_args = ["roi_heads.score_thresh=0.01", "input.min_size_test=96", "input.max_size_test=128"]
     torch.manual_seed(0)
-    model = build_model(load_config(ROOT / "configs" / "tiny_cpu.yaml", cfg_args))
+    model = build_model(load_config(TINY_CONFIG, cfg_args))
     torch.save(model.state_dict(), tmp_path / "w.pth")
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -137,7 +137,7 @@ def test_infer_writes_one_annotated_image_per_input(tmp_path):
     (inputs / "notes.txt").write_text("not an image")
     out = tmp_path / "out"
     rc = load_tool("infer").main(
-        ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(tmp_path / "w.pth"),
+        ["--config", str(TINY_CONFIG), "--weights", str(tmp_path / "w.pth"),
          "--input", str(inputs), "--output-dir", str(out), "--score-thresh", "0.0", *cfg_args]
     )
     assert rc == 0
@@ -155,7 +155,7 @@ def test_infer_writes_one_annotated_image_per_input(tmp_path):
         boxes = np.array(rec["boxes"])
         assert (boxes[:, 2] <= w + 1e-3).all() and (boxes[:, 3] <= h + 1e-3).all() and (boxes >= 0).all()
     rc = load_tool("infer").main(
-        ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(tmp_path / "w.pth"),
+        ["--config", str(TINY_CONFIG), "--weights", str(tmp_path / "w.pth"),
          "--input", str(tmp_path / "nothing"), "--output-dir", str(out)]
     )
     assert rc == 1

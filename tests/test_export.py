@@ -24,7 +24,7 @@ from detector.modeling.export import (
     verify_export,
 )
 from conftest import load_tool
-from conftest import ROOT  # noqa: E402
+from conftest import TINY_CONFIG  # noqa: E402
 
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
 needs_ort = pytest.mark.skipif(not HAS_ORT, reason=f"onnx/onnxruntime not installed ({INSTALL_HINT})")
@@ -38,7 +38,7 @@ def tiny_model() -> torch.nn.Module:
     """The tiny test model, random init, with a predictor spread wide enough that a
     handful of detections (a different number per image) pass the 0.35 threshold."""
     torch.manual_seed(0)
-    model = build_model(load_config(ROOT / "configs" / "tiny_cpu.yaml", OVERRIDES))
+    model = build_model(load_config(TINY_CONFIG, OVERRIDES))
     torch.nn.init.normal_(model.roi_heads.box_predictor.cls_score.weight, std=0.1)
     torch.nn.init.normal_(model.roi_heads.box_predictor.bbox_pred.weight, std=0.01)
     return model.eval()
@@ -169,7 +169,7 @@ def test_tool_exports_then_rejects_a_tampered_file(model, tmp_path, capsys):
     --verify-only exits 1 with one line and no traceback."""
     weights, out = tmp_path / "w.pth", tmp_path / "model.pt"
     torch.save(model.state_dict(), weights)
-    argv = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(weights), "--format",
+    argv = ["--config", str(TINY_CONFIG), "--weights", str(weights), "--format",
             "torchscript", "--output", str(out), "--image-size", "64", "96", *OVERRIDES]
     assert TOOL.main([*argv, "--time", "2"]) == 0
     printed = capsys.readouterr().out
@@ -217,7 +217,7 @@ def test_tool_test_images_from_a_file(images, tmp_path):
 
 
 def test_tool_missing_weights_is_one_line(tmp_path, capsys):
-    code = TOOL.main(["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--weights", str(tmp_path / "none.pth"),
+    code = TOOL.main(["--config", str(TINY_CONFIG), "--weights", str(tmp_path / "none.pth"),
                       "--format", "onnx", "--output", str(tmp_path / "m.onnx")])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("error: ") and "none.pth" in err and len(err.strip().splitlines()) == 1

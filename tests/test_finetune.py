@@ -82,7 +82,7 @@ def test_finetune_config_lowers_backbone_lr():
 
 
 def test_bad_weight_sources_are_one_line_errors(tmp_path):
-    model = build_model(load_config(ROOT / "configs" / "tiny_cpu.yaml", []))
+    model = build_model(load_config(TINY_CONFIG, []))
     with pytest.raises(WeightsError, match=r"^model.weights: 'nope.pth' is neither an existing file nor a torchvision weights name"):
         load_initial_weights(model, "nope.pth")
     with pytest.raises(WeightsError, match=r"unknown torchvision weights name 'FasterRCNN_ResNet50_FPN_Weights.NOPE'"):
@@ -99,7 +99,7 @@ def test_torchvision_weights_offline_is_one_line(monkeypatch, tmp_path):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
     monkeypatch.setattr(api, "load_state_dict_from_url", no_network)
-    model = build_model(load_config(ROOT / "configs" / "tiny_cpu.yaml", []))
+    model = build_model(load_config(TINY_CONFIG, []))
     with pytest.raises(WeightsError) as e:
         load_initial_weights(model, "FasterRCNN_ResNet50_FPN_Weights.COCO_V1")
     msg = str(e.value)
@@ -115,7 +115,7 @@ def test_cli_offline_torchvision_weights(tmp_path):
                HTTPS_PROXY="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
     env.pop("no_proxy", None), env.pop("NO_PROXY", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+        [sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(TINY_CONFIG),
          "--output-dir", str(tmp_path / "run"), "--weights", "FasterRCNN_ResNet50_FPN_Weights.COCO_V1",
          f"data.train.root={tmp_path / 'shapes'}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,

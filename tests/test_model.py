@@ -17,7 +17,11 @@ LOSS_KEYS = {"loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box"}
 
 
 @pytest.fixture(scope="module")
-def tiny_cfg(repo_root):
+def tiny_cpu_cfg(repo_root):
+    """configs/tiny_cpu.yaml on purpose: these tests are about the model users train on a
+    CPU (the demo's recipe), at its 128..224 px input sizes, which the 128 px hand-made
+    images and the overfitting test were set for. (The tests' own tiny model is
+    conftest's ``tiny_cfg``/``TINY_CONFIG``.)"""
     return load_config(repo_root / "configs" / "tiny_cpu.yaml")
 
 
@@ -40,10 +44,10 @@ def shapes_image(h: int = 128, w: int = 128):
     return img, {"boxes": boxes, "labels": labels}
 
 
-def test_one_training_step_losses_and_gradients(tiny_cfg):
+def test_one_training_step_losses_and_gradients(tiny_cpu_cfg):
     torch.manual_seed(0)
-    assert tiny_cfg.model.freeze_at == 2  # stem and layer1 frozen
-    model = build_model(tiny_cfg).train()
+    assert tiny_cpu_cfg.model.freeze_at == 2  # stem and layer1 frozen
+    model = build_model(tiny_cpu_cfg).train()
     img, target = shapes_image()
     losses = model([img], [target])
     assert set(losses) == LOSS_KEYS
@@ -61,9 +65,9 @@ def test_one_training_step_losses_and_gradients(tiny_cfg):
             assert p.grad is None, name
 
 
-def test_mixed_sizes_and_empty_image(tiny_cfg):
+def test_mixed_sizes_and_empty_image(tiny_cpu_cfg):
     torch.manual_seed(0)
-    model = build_model(tiny_cfg).train()
+    model = build_model(tiny_cpu_cfg).train()
     img, target = shapes_image()
     small = torch.randint(0, 255, (3, 70, 100), dtype=torch.uint8)
     floaty = torch.rand(3, 150, 90)  # float images are taken as 0..1
@@ -83,7 +87,7 @@ def test_mixed_sizes_and_empty_image(tiny_cfg):
     assert len(out) == 3 and len(batched) == 2
     for o, (h, w) in zip(out, [(128, 128), (70, 100), (150, 90)]):
         assert set(o) == {"boxes", "scores", "labels"}
-        assert o["boxes"].shape[1] == 4 and len(o["boxes"]) <= tiny_cfg.roi_heads.detections_per_img
+        assert o["boxes"].shape[1] == 4 and len(o["boxes"]) <= tiny_cpu_cfg.roi_heads.detections_per_img
         assert (o["boxes"][:, 2] <= w).all() and (o["boxes"][:, 3] <= h).all()
         assert ((o["labels"] >= 1) & (o["labels"] <= 3)).all()
         assert (o["scores"][:-1] >= o["scores"][1:]).all()
@@ -100,9 +104,9 @@ def one_thread():
 
 
 @pytest.mark.slow
-def test_overfit_one_image(tiny_cfg, one_thread):
+def test_overfit_one_image(tiny_cpu_cfg, one_thread):
     torch.manual_seed(0)
-    model = build_model(tiny_cfg).train()
+    model = build_model(tiny_cpu_cfg).train()
     img, target = shapes_image()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.04, momentum=0.9, weight_decay=1e-4)
@@ -136,8 +140,8 @@ def test_overfit_one_image(tiny_cfg, one_thread):
     ("gray", r"image 1: field 'image'.*\[3, H, W\]"),
     ("rgba", r"image 1: field 'image'.*\[3, H, W\]"),
 ])
-def test_bad_input_names_image_and_field(tiny_cfg, case, match):
-    model = build_model(tiny_cfg).train()
+def test_bad_input_names_image_and_field(tiny_cpu_cfg, case, match):
+    model = build_model(tiny_cpu_cfg).train()
     img, target = shapes_image(64, 64)
     bad_img = img
     bad = {"boxes": target["boxes"].clone() / 2, "labels": target["labels"].clone()}
@@ -161,8 +165,8 @@ def test_bad_input_names_image_and_field(tiny_cfg, case, match):
             model([img, bad_img])
 
 
-def test_train_mode_needs_targets(tiny_cfg):
-    model = build_model(tiny_cfg).train()
+def test_train_mode_needs_targets(tiny_cpu_cfg):
+    model = build_model(tiny_cpu_cfg).train()
     with pytest.raises(ValueError, match="targets"):
         model([torch.zeros(3, 32, 32)])
 
@@ -291,14 +295,14 @@ def test_backbone_weights_by_torchvision_name(monkeypatch, norm):
 
 
 @pytest.mark.gpu
-def test_cuda_train_step_amp_and_eval(tiny_cfg):
+def test_cuda_train_step_amp_and_eval(tiny_cpu_cfg):
     """CPU inputs to a CUDA model: moved by the model; float16 autocast losses finite;
     eval detections close to the CPU model's."""
     torch.manual_seed(0)
-    model = build_model(tiny_cfg)
+    model = build_model(tiny_cpu_cfg)
     img, target = shapes_image()
     device = torch.device("cuda")
-    gpu = build_model(tiny_cfg)
+    gpu = build_model(tiny_cpu_cfg)
     gpu.load_state_dict(model.state_dict())
     gpu.to(device).train()
     with torch.autocast("cuda", dtype=torch.float16):

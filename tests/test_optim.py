@@ -19,12 +19,12 @@ from detector.engine.optim import (
 )
 from detector.modeling import build_model
 
-from conftest import ROOT  # noqa: E402
+from conftest import TINY_CONFIG  # noqa: E402
 RULES = "solver.param_groups=[{match: backbone.body, lr_mult: 0.1}, {match: roi_heads.box_predictor, lr_mult: 10, weight_decay_mult: 0}]"
 
 
 def _cfg(*overrides: str):
-    return load_config(ROOT / "configs" / "tiny_cpu.yaml", [RULES, "model.freeze_at=2", "model.norm=bn", *overrides])
+    return load_config(TINY_CONFIG, [RULES, "model.freeze_at=2", "model.norm=bn", *overrides])
 
 
 @pytest.fixture(scope="module")

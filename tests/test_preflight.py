@@ -44,6 +44,9 @@ from detector.engine.run_folder import check_output_dir
 from conftest import load_tool
 
 from conftest import ROOT  # noqa: E402
+# configs/tiny_cpu.yaml on purpose: the preflight checks run on a user's config, with
+# periodic evaluation on (so the val split is checked before training starts);
+# tests/configs/tiny.yaml turns evaluation off.
 TINY = ROOT / "configs" / "tiny_cpu.yaml"
 
 # VOC objects of the tiny tree: image id -> class names (one box each).

@@ -14,12 +14,11 @@ from detector.modeling import build_model
 from detector.modeling.summary import count_flops, count_parameters, model_parts, model_summary
 from conftest import load_tool, tiny_config
 
-from conftest import ROOT  # noqa: E402
-TINY = ROOT / "configs" / "tiny_cpu.yaml"
+from conftest import TINY_CONFIG  # noqa: E402
 
 
 def tiny(*overrides: str) -> nn.Module:
-    return build_model(load_config(TINY, list(overrides)))
+    return build_model(load_config(TINY_CONFIG, list(overrides)))
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +80,13 @@ def test_frozen_count_follows_freeze_at():
 def test_tool_writes_json(tmp_path, capsys):
     tool = load_tool("summary")
     out = tmp_path / "s.json"
-    assert tool.main(["--config", str(TINY), "--image-size", "64", "96", "--json", str(out)]) == 0
+    assert tool.main(["--config", str(TINY_CONFIG), "--image-size", "64", "96", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert {"params_total", "params_trainable", "params_frozen", "gflops"} <= set(data)
     assert data["params_total"] == sum(p.numel() for p in tiny().parameters())
     assert data["image_size"] == [64, 96]
     assert "backbone.body" in capsys.readouterr().out
-    assert tool.main(["--config", str(TINY), "--image-size", "0", "96"]) == 1
+    assert tool.main(["--config", str(TINY_CONFIG), "--image-size", "0", "96"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: image size must be positive") and len(err.strip().splitlines()) == 1
 

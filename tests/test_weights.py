@@ -11,6 +11,9 @@ from detector.modeling import build_model
 
 
 def tiny(repo_root, *overrides):
+    # configs/tiny_cpu.yaml on purpose: the mismatch cases below are written against its
+    # 64-channel FPN (a 32-channel one is the "wrong architecture"; tests/configs/tiny.yaml
+    # has 32 channels itself).
     return build_model(load_config(repo_root / "configs" / "tiny_cpu.yaml", list(overrides)))
 
 
