@@ -25,8 +25,6 @@ from conftest import ROOT, TINY_CONFIG  # noqa: E402
 
 check_main = load_tool("check_dataset").main  # tools/check_dataset.py
 
-check_main = load_tool("check_dataset").main
-
 
 def write_coco(tmp: Path, file_name: str, w: int = 40, h: int = 30) -> tuple[Path, Path]:
     """One image entry with ``file_name`` and one box; ``images/ok.jpg`` exists."""
