@@ -29,7 +29,7 @@ import logging  # noqa: E402
 from detector.cli import run_tool  # noqa: E402
 from detector.config import ConfigError  # noqa: E402
 from detector.distributed import LaunchError  # noqa: E402
-from detector.engine.checkpoint import CheckpointError  # noqa: E402
+from detector.engine.checkpointing import CheckpointError  # noqa: E402
 from detector.messages import DetectorError  # noqa: E402
 from detector.modeling.weights import WeightsError  # noqa: E402
 
