@@ -253,6 +253,22 @@ def load_weights(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, 
         report.skipped = [k for k in target if k.startswith(PREDICTOR_PREFIX) and k in state]
         report.notes.append(note + ": roi_heads.box_predictor keeps its fresh initialisation")
 
+    to_load, shapes = _sort_keys(state, target, report)
+    if shapes or not to_load or (strict and (report.missing or report.unexpected)):
+        raise _mismatch_error(where, shapes, report.missing, report.unexpected)
+
+    model.load_state_dict(to_load, strict=False)
+    report.loaded = sorted(to_load)
+    logger.info("weights loaded from %s: %s", where, report.summary())
+    return report
+
+
+def _sort_keys(state: Mapping[str, Tensor], target: Mapping[str, Tensor], report: LoadReport
+               ) -> Tuple[Dict[str, Tensor], List[Tuple[str, Sequence[int], Sequence[int]]]]:
+    """Split ``state`` against the model's ``target`` state dict: the tensors to load, and
+    the keys whose shapes differ (``(key, source shape, model shape)``). Keys only in the
+    source go to ``report.unexpected``, model keys the source lacks to ``report.missing``
+    (optional keys are noted instead; predictor keys in ``report.skipped`` are left out)."""
     to_load: Dict[str, Tensor] = {}
     shapes: List[Tuple[str, Sequence[int], Sequence[int]]] = []
     for key, value in state.items():
@@ -274,13 +290,7 @@ def load_weights(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, 
             continue
         if not any(k == key for k, _, _ in shapes):
             report.missing.append(key)
-    if shapes or not to_load or (strict and (report.missing or report.unexpected)):
-        raise _mismatch_error(where, shapes, report.missing, report.unexpected)
-
-    model.load_state_dict(to_load, strict=False)
-    report.loaded = sorted(to_load)
-    logger.info("weights loaded from %s: %s", where, report.summary())
-    return report
+    return to_load, shapes
 
 
 # --------------------------------------------------------------------------- initial weights
