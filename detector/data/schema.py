@@ -214,8 +214,10 @@ def describe(where: str, exc: msgspec.ValidationError, entry: Any) -> str:
     steps: List[Union[str, int]] = [a if a else int(b) for a, b in _PATH_TOKEN.findall(path)]
     reason = _reason(error, steps, entry)
     full = (where + path) if where else path.lstrip(".")
+    if reason.startswith("has no ") and not full:
+        return f"missing the {reason[len('has no '):]} section"
     if reason.startswith("has no "):
-        return f"{full or 'the top level'} {reason}"
+        return f"{full} {reason}"
     return f"{full or 'the top level'}: {reason}"
 
 
@@ -315,7 +317,8 @@ def read_coco(path: str, on_error: OnError) -> CocoFile:
     return _coco_entries(raw, path, on_error)
 
 
-def _raise(message: str) -> None:
+def raise_error(message: str) -> None:
+    """An ``OnError`` that stops at the first bad entry."""
     raise DataError(message)
 
 
@@ -327,7 +330,7 @@ def load_coco_json(path: str) -> dict:
         FileNotFoundError, DataError: as :func:`read_coco`, and at the first bad entry.
     """
     path = str(path)
-    read_coco(path, _raise)
+    read_coco(path, raise_error)
     raw = _read_bytes(path)
     try:
         return msgspec.json.decode(raw)
