@@ -180,7 +180,7 @@ def _reason(error: str, steps: List[Union[str, int]], entry: Any) -> str:
     value = _value_at(entry, steps)
     got = f", got {_show(value)}" if value is not ... else ""
     key = steps[-1] if steps else ""
-    if isinstance(value, _NonFinite):
+    if isinstance(value, _NonFinite) and re.match(r"Expected `(float|int)", error):
         return f"expected a finite number{got}"
     if key in FLAG_FIELDS and (error.startswith("Expected `int`") or error.startswith("Invalid enum")):
         return f"expected 0 or 1{got}"
@@ -189,9 +189,10 @@ def _reason(error: str, steps: List[Union[str, int]], entry: Any) -> str:
     m = re.match(r"Object missing required field `(\w+)`", error)
     if m:
         return f"has no '{m.group(1)}'"
-    m = re.match(r"Expected `(\w+)`, got `(\w+)`", error)
+    m = re.match(r"Expected `([\w |]+)`, got `(\w+)`", error)
     if m:
-        return f"expected {_TYPE_WORDS.get(m.group(1), m.group(1))}{got or ', got ' + m.group(2)}"
+        kinds = " or ".join(_TYPE_WORDS.get(k, k) for k in m.group(1).split(" | "))
+        return f"expected {kinds}{got or ', got ' + _TYPE_WORDS.get(m.group(2), m.group(2))}"
     m = re.match(r"Expected `(\w+)` ([<>]=?) (\S+)", error)
     if m and m.group(1) == "float" and m.group(3) in (f"{MAX_NUMBER:g}", f"{-MAX_NUMBER:g}"):
         return f"expected a finite number{got}"
