@@ -217,6 +217,9 @@ def parse_coco(
     coco = COCO()
     coco.dataset = msgspec.to_builtins({"images": good_images, "annotations": good_anns,
                                         "categories": [categories[c] for c in cat_ids]})
+    for ann in coco.dataset["annotations"]:
+        if ann["area"] is None:  # left out or null in the file: left out, as there
+            del ann["area"]
     with contextlib.redirect_stdout(io.StringIO()):
         coco.createIndex()
 

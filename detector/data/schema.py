@@ -64,7 +64,7 @@ class CocoCategory(msgspec.Struct):
     name: Optional[str] = None
 
 
-class CocoAnnotation(msgspec.Struct, omit_defaults=True):
+class CocoAnnotation(msgspec.Struct):
     """An entry of ``annotations``: ``bbox`` is ``[x, y, w, h]`` in pixels; ``area``
     (pixels^2) may be left out or null."""
 
@@ -203,7 +203,7 @@ def _reason(error: str, steps: List[Union[str, int]], entry: Any) -> str:
     if m:
         return f"expected {_TYPE_WORDS.get(m.group(1), m.group(1))} {m.group(2)} {m.group(3)}{got}"
     if error.startswith("Number out of range"):
-        return "number out of range: numbers must be finite and ids fit int64"
+        return "number out of range: numbers must be finite (|x| <= 1e300) and ids fit int64"
     return error[:1].lower() + error[1:] + got
 
 
