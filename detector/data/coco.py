@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import io
 import logging
 import os
@@ -17,7 +18,7 @@ from pycocotools.coco import COCO
 
 from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
 from .files import DataError, path_within
-from .schema import CocoAnnotation, CocoCategory, CocoImage, read_coco
+from .schema import CocoAnnotation, CocoCategory, CocoFile, CocoImage, read_coco
 
 logger = logging.getLogger(__name__)
 
@@ -132,19 +133,19 @@ def _coco_annotations(
     good_anns = []
     ann_ids: set = set()
     for ann in annotations:
-        where = f"annotation file {ann_file}: annotation id {ann.id}"
         if ann.id in ann_ids:
-            issues.error(f"{where} appears twice")
+            issues.error(f"annotation file {ann_file}: annotation id {ann.id} appears twice")
             continue
         ann_ids.add(ann.id)
         if ann.image_id not in seen:  # the keys of anns_by_image
-            issues.error(f"{where}: image_id {ann.image_id} is not in 'images'")
+            issues.error(f"annotation file {ann_file}: annotation id {ann.id}: image_id {ann.image_id} is not in 'images'")
             continue
         if ann.category_id not in category_id_to_label:
             if ann.category_id in names_by_id:  # a category left out of data.class_names
                 issues.other_classes[names_by_id[ann.category_id]] += 1
             else:
-                issues.error(f"{where}: category_id {ann.category_id} is not in 'categories'")
+                issues.error(f"annotation file {ann_file}: annotation id {ann.id}: "
+                             f"category_id {ann.category_id} is not in 'categories'")
             continue
         anns_by_image[ann.image_id].append(ann)
         good_anns.append(ann)
@@ -188,12 +189,15 @@ def parse_coco(
     issues: Issues,
     class_names: Optional[Sequence[str]] = None,
     label_space: str = "contiguous",
-) -> Tuple[List[ImageRecord], List[str], Dict[int, int], Any]:
-    """Parse a COCO instances JSON (through pycocotools' index) into image records.
+) -> Tuple[List[ImageRecord], List[str], Dict[int, int], CocoFile]:
+    """Parse a COCO instances JSON (checked against ``schema.py``'s types, then its ids
+    and references) into image records.
 
-    Returns ``(records, class_names, label_to_category_id, coco)``: labels as
-    :func:`coco_label_map` gives them for ``label_space``. ``[x, y, w, h]`` becomes
-    ``[x, y, x + w, y + h]``.
+    Returns ``(records, class_names, label_to_category_id, entries)``: labels as
+    :func:`coco_label_map` gives them for ``label_space``; ``entries`` the valid images
+    and annotations and the categories in use (for :func:`coco_index`, which
+    pycocotools would not check: it silently keeps the last of two equal ids).
+    ``[x, y, w, h]`` becomes ``[x, y, x + w, y + h]``.
 
     ``class_names`` (category names, e.g. ``data.class_names``) keeps those categories
     only; annotations of the other categories are dropped and counted by name in
@@ -212,19 +216,22 @@ def parse_coco(
     anns_by_image, good_anns = _coco_annotations(data.annotations, ann_file, seen, category_id_to_label,
                                                  names_by_id, issues)
 
-    # pycocotools' index over the validated content, the declared fields only (it would
-    # silently keep the last of two equal ids, and fail on annotations without one).
+    entries = CocoFile(images=good_images, categories=[categories[c] for c in cat_ids], annotations=good_anns)
+    records = _coco_records(good_images, anns_by_image, category_id_to_label, image_dir, ann_file, issues)
+    return records, class_names, label_to_category_id, entries
+
+
+def coco_index(entries: CocoFile) -> COCO:
+    """pycocotools' index over validated entries (:func:`parse_coco`'s), their declared
+    fields only; an ``area`` the file leaves out (or null) is left out."""
     coco = COCO()
-    coco.dataset = msgspec.to_builtins({"images": good_images, "annotations": good_anns,
-                                        "categories": [categories[c] for c in cat_ids]})
+    coco.dataset = msgspec.to_builtins(entries)
     for ann in coco.dataset["annotations"]:
-        if ann["area"] is None:  # left out or null in the file: left out, as there
+        if ann["area"] is None:
             del ann["area"]
     with contextlib.redirect_stdout(io.StringIO()):
         coco.createIndex()
-
-    records = _coco_records(good_images, anns_by_image, category_id_to_label, image_dir, ann_file, issues)
-    return records, class_names, label_to_category_id, coco
+    return coco
 
 
 class CocoDetection(DetectionDataset):
@@ -255,9 +262,9 @@ class CocoDetection(DetectionDataset):
         label_space: str = "contiguous",
     ) -> None:
         issues = Issues(strict=True)
-        records, class_names, label_to_cat, coco = parse_coco(ann_file, image_dir, issues, class_names, label_space)
+        self._class_subset = list(class_names) if class_names else None
+        records, class_names, label_to_cat, _ = parse_coco(ann_file, image_dir, issues, class_names, label_space)
         self.label_space = label_space
-        self.coco = coco
         self.image_dir = str(image_dir)
         self.ann_file = str(ann_file)
         if issues.skipped:
@@ -266,3 +273,10 @@ class CocoDetection(DetectionDataset):
         super().__init__(records, class_names, label_to_cat, transforms=transforms, use_difficult=use_difficult,
                          filter_empty=filter_empty, skipped=issues.skipped, source=str(ann_file))
 
+    @functools.cached_property
+    def coco(self) -> COCO:
+        """pycocotools' index over the validated annotations, built on first use (the
+        file read again: on COCO train it would cost seconds and GBs that training
+        does not need)."""
+        issues = Issues(strict=True, log_skips=False)
+        return coco_index(parse_coco(self.ann_file, self.image_dir, issues, self._class_subset, self.label_space)[3])

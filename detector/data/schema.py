@@ -48,7 +48,7 @@ FLAG_FIELDS = ("iscrowd", "ignore", "difficult", "truncated")
 OnError = Callable[[str], None]  # receives one message per bad entry (``Issues.error``)
 
 
-class CocoImage(msgspec.Struct):
+class CocoImage(msgspec.Struct, gc=False):
     """An entry of ``images``."""
 
     id: Int64
@@ -57,14 +57,14 @@ class CocoImage(msgspec.Struct):
     height: Side
 
 
-class CocoCategory(msgspec.Struct):
+class CocoCategory(msgspec.Struct, gc=False):
     """An entry of ``categories`` (``name`` defaults to the id)."""
 
     id: Int64
     name: Optional[str] = None
 
 
-class CocoAnnotation(msgspec.Struct):
+class CocoAnnotation(msgspec.Struct, gc=False):
     """An entry of ``annotations``: ``bbox`` is ``[x, y, w, h]`` in pixels; ``area``
     (pixels^2) may be left out or null."""
 
