@@ -18,10 +18,13 @@ Fields the project does not read (``segmentation``, ``info``, ``license``, VOC
 Every message names the file and the path of the field, e.g.
 ``annotation file a.json: annotations[3].bbox[0]: expected a number, got true``.
 
-Speed: the whole COCO file is decoded into the typed records in one pass (on a
-118k-image, 860k-annotation file faster than ``json.loads`` and with half its memory);
-only when that fails is it decoded again entry by entry, so that every bad entry is
-reported with its index and the good ones are kept.
+Speed: the whole COCO file is decoded into the typed records in one pass; only when
+that fails is it decoded again entry by entry, so that every bad entry is reported with
+its index and the good ones are kept. Measured on a generated COCO-train-sized file
+(118,287 images, 860,001 annotations, 174 MB; 2 shared CPU cores at load 8-10, so
+noisy; memory above the imports): ``json.loads`` 16.5 s / 1082 MiB, :func:`read_coco`
+6.0 s / 529 MiB, the whole ``parse_coco`` 29 s / 581 MiB (before the schema: 67 s /
+1247 MiB, the same load); with one bad entry, :func:`read_coco` 12.8 s.
 """
 
 from __future__ import annotations
