@@ -342,3 +342,17 @@ def test_voc_tools_give_the_same_one_line(tmp_path, capsys):
     assert load_tool("eval").main(["--predictions", str(tmp_path / "dets.json"), "--voc-root", str(root),
                                    "--voc-split", "train"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {expected}"]
+
+
+def test_ground_truth_to_score_against_needs_only_image_ids(tmp_path):
+    """tools/eval.py --annotations: images need an ``id`` only (pycocotools scores without
+    the file name or size); the other fields are still checked when present."""
+    from detector.evaluation import load_ground_truth
+
+    gt = tmp_path / "gt.json"
+    gt.write_text(coco_text(image='{"id": 10}'))
+    assert load_ground_truth(gt)["images"] == [{"id": 10}]
+    gt.write_text(coco_text(image='{"id": 10, "width": true}'))
+    with pytest.raises(DataError, match=rf"^annotation file {re.escape(str(gt))}: images\[0\]\.width: "
+                                        r"expected a number or null, got true$"):
+        load_ground_truth(gt)

@@ -89,6 +89,26 @@ class CocoFile(msgspec.Struct):
     annotations: List[CocoAnnotation] = []
 
 
+class CocoGroundTruthImage(msgspec.Struct, gc=False):
+    """An ``images`` entry of a ground-truth file that detections are scored against
+    (``tools/eval.py --annotations``): only ``id`` is needed; the other fields are
+    checked when present."""
+
+    id: Int64
+    file_name: Optional[str] = None
+    width: Optional[Side] = None
+    height: Optional[Side] = None
+
+
+class CocoGroundTruth(msgspec.Struct):
+    """A ground-truth file to score against: :class:`CocoFile` with
+    :class:`CocoGroundTruthImage` entries."""
+
+    images: List[CocoGroundTruthImage]
+    categories: List[CocoCategory]
+    annotations: List[CocoAnnotation] = []
+
+
 class _CocoSections(msgspec.Struct):
     """The top level only: each entry kept undecoded, to be checked one by one."""
 
@@ -105,7 +125,11 @@ class _CocoSectionsParsed(msgspec.Struct):
     annotations: List[Any] = []
 
 
-COCO_SECTIONS = (("images", CocoImage), ("categories", CocoCategory), ("annotations", CocoAnnotation))
+# The entry type of each section, per file type.
+COCO_SECTIONS = {
+    CocoFile: (("images", CocoImage), ("categories", CocoCategory), ("annotations", CocoAnnotation)),
+    CocoGroundTruth: (("images", CocoGroundTruthImage), ("categories", CocoCategory), ("annotations", CocoAnnotation)),
+}
 
 
 class VocSize(msgspec.Struct):
@@ -280,12 +304,12 @@ def _sections(raw: bytes, path: str) -> Tuple[Any, bool]:
         raise DataError(f"{where}: {describe('', exc, data)}") from None
 
 
-def _coco_entries(raw: bytes, path: str, on_error: OnError) -> CocoFile:
+def _coco_entries(raw: bytes, path: str, on_error: OnError, file_type: type) -> Any:
     """Every section checked entry by entry: each bad entry is reported through
     ``on_error`` with its index and field, and left out."""
     sections, is_raw = _sections(raw, path)
     good = {}
-    for name, kind in COCO_SECTIONS:
+    for name, kind in COCO_SECTIONS[file_type]:
         kept = []
         for i, entry in enumerate(getattr(sections, name)):
             try:
@@ -298,11 +322,12 @@ def _coco_entries(raw: bytes, path: str, on_error: OnError) -> CocoFile:
             except RecursionError:
                 on_error(f"annotation file {path}: {name}[{i}] is nested too deep")
         good[name] = kept
-    return CocoFile(**good)
+    return file_type(**good)
 
 
-def read_coco(path: str, on_error: OnError) -> CocoFile:
-    """Read and check a COCO instances file against the declared types.
+def read_coco(path: str, on_error: OnError, file_type: type = CocoFile) -> Any:
+    """Read and check a COCO instances file against the declared types (``file_type``:
+    :class:`CocoFile`, or :class:`CocoGroundTruth` for a file to score against).
 
     Returns the good entries of each section, in file order; each bad entry is reported
     through ``on_error`` (one message naming the file, the index and the field) and left
@@ -315,10 +340,10 @@ def read_coco(path: str, on_error: OnError) -> CocoFile:
     """
     raw = _read_bytes(path)
     try:
-        return msgspec.json.decode(raw, type=CocoFile, strict=True)
+        return msgspec.json.decode(raw, type=file_type, strict=True)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         pass  # find and name every bad entry
-    return _coco_entries(raw, path, on_error)
+    return _coco_entries(raw, path, on_error, file_type)
 
 
 def raise_error(message: str) -> None:
@@ -326,15 +351,15 @@ def raise_error(message: str) -> None:
     raise DataError(message)
 
 
-def load_coco_json(path: str) -> dict:
+def load_coco_json(path: str, file_type: type = CocoFile) -> dict:
     """A COCO instances file as plain JSON data (every key kept, e.g. to write it back or
-    hand it to pycocotools), after checking it against the declared types.
+    hand it to pycocotools), after checking it against the declared ``file_type``.
 
     Raises:
         FileNotFoundError, DataError: as :func:`read_coco`, and at the first bad entry.
     """
     path = str(path)
-    read_coco(path, raise_error)
+    read_coco(path, raise_error, file_type)
     raw = _read_bytes(path)
     try:
         return msgspec.json.decode(raw)

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from detector.data.schema import load_coco_json
+from detector.data.schema import CocoGroundTruth, load_coco_json
 from detector.messages import DetectorError
 
 FIELDS = ("image_id", "category_id", "bbox", "score")
@@ -390,7 +390,7 @@ def load_ground_truth(path: str | Path) -> Dict[str, Any]:
     """A COCO-format ground-truth JSON file, checked (errors name the file, the
     section, the index and the field): field types by the data layer's declared COCO
     records (``detector.data.schema``), then ids and references."""
-    gt = load_coco_json(str(path))
+    gt = load_coco_json(str(path), CocoGroundTruth)
     check_ground_truth(gt, source=str(path))
     return gt
 
