@@ -185,7 +185,7 @@ def test_empty_after_filtering_error(tmp_path):
 
 def test_malformed_bbox_error(tmp_path):
     anns = [{"id": 8, "image_id": 10, "category_id": 1, "bbox": [1, 1, 5], "iscrowd": 0}]
-    with pytest.raises(DataError, match=r"annotation id 8: 'bbox' must be 4 numbers"):
+    with pytest.raises(DataError, match=r"instances\.json: annotations\[0\]\.bbox: expected 4 numbers \[x, y, w, h\], got \[1, 1, 5\]"):
         CocoDetection(*make_coco(tmp_path, annotations=anns))
 
 
@@ -301,8 +301,8 @@ def test_duplicate_annotation_id_and_bad_image_fields(tmp_path):
     with pytest.raises(DataError, match=r"annotation id 1 appears twice"):
         CocoDetection(*make_coco(tmp_path / "a", annotations=anns))
     images = [{"id": "x", "file_name": "a.jpg", "width": 40, "height": 30}]
-    with pytest.raises(DataError, match=r"images\[0\] has id 'x'; image ids must be integers"):
+    with pytest.raises(DataError, match=r"instances\.json: images\[0\]\.id: expected an integer, got \"x\""):
         CocoDetection(*make_coco(tmp_path / "b", images=images, annotations=[]))
     images = [{"id": 3, "file_name": "a.jpg", "width": 0, "height": 30}]
-    with pytest.raises(DataError, match=r"image_id 3: width/height must be positive numbers, got 0 x 30"):
+    with pytest.raises(DataError, match=r"instances\.json: images\[0\]\.width: expected a positive number, got 0"):
         CocoDetection(*make_coco(tmp_path / "c", images=images, annotations=[]))

@@ -319,7 +319,7 @@ def test_prediction_file_errors_are_named(case_files, tmp_path):
     with pytest.raises(ValueError, match=r"annotations\[0\] has no 'score'"):
         load_predictions(tmp_path / "q.json", gt)
     (tmp_path / "r.json").write_text("{not json")
-    with pytest.raises(ValueError, match="r.json: not valid JSON"):
+    with pytest.raises(ValueError, match=r"r\.json is not valid JSON: .* line 1 column 2"):
         load_ground_truth(tmp_path / "r.json")
     (tmp_path / "s.json").write_text(json.dumps({"images": [], "annotations": []}))
     with pytest.raises(ValueError, match="s.json: missing the 'categories' section"):

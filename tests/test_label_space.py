@@ -92,8 +92,13 @@ def test_bad_category_ids_refused(tmp_path, bad):
     with pytest.raises(DataError) as info:
         CocoDetection(*gapped(tmp_path, categories), label_space="category_id")
     msg = str(info.value)
+    if isinstance(bad, float):  # not an integer: the schema refuses it in any label space
+        assert "\n" not in msg and "instances.json: categories[3].id: expected an integer, got 2.5" in msg
+        with pytest.raises(DataError, match=r"categories\[3\]\.id: expected an integer, got 2\.5"):
+            CocoDetection(*gapped(tmp_path, categories))
+        return
     assert "\n" not in msg and "instances.json" in msg and "'odd'" in msg and "data.label_space=category_id" in msg
-    assert CocoDetection(*gapped(tmp_path, categories)).num_classes == 4  # contiguous takes any id
+    assert CocoDetection(*gapped(tmp_path, categories)).num_classes == 4  # contiguous takes any integer id
 
 
 def test_check_dataset_reads_labels_as_training_does(tmp_path):

@@ -65,11 +65,11 @@ def test_bad_result_record_is_one_named_line(case, tmp_path, capsys, name):
 GT_CASES = {
     "image_without_id": (lambda gt: gt["images"][2].pop("id"), r"images\[2\] has no 'id'"),
     "nan_box": (lambda gt: gt["annotations"][1].__setitem__("bbox", [1, float("nan"), 3, 4]),
-                r"annotations\[1\]: 'bbox' has a non-finite number"),
+                r"annotations\[1\]\.bbox\[1\]: expected a finite number, got NaN"),
     "negative_height": (lambda gt: gt["annotations"][1].__setitem__("bbox", [1, 2, 3, -4]),
                         r"annotations\[1\]: 'bbox' has a negative width or height"),
     "string_category": (lambda gt: gt["annotations"][0].__setitem__("category_id", "cat"),
-                        r"annotations\[0\]: 'category_id' must be an integer"),
+                        r"annotations\[0\]\.category_id: expected an integer, got \"cat\""),
     "duplicate_image_id": (lambda gt: gt["images"][1].__setitem__("id", gt["images"][0]["id"]),
                            r"'images' lists id 100 2 times"),
 }

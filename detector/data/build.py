@@ -14,7 +14,8 @@ from detector.config import Config, ConfigError
 
 from .coco import CocoDetection, coco_label_map
 from .dataset import DetectionDataset
-from .files import DataError, read_json
+from .files import DataError
+from .schema import raise_error, read_coco
 from .shapes import CLASS_NAMES as SHAPES_CLASS_NAMES, ensure_shapes
 from .transforms import build_transforms
 from .voc import VOC_CLASSES, VOCDetection
@@ -156,12 +157,9 @@ def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, sp
 
 
 def _categories_of(ann_file: str) -> list:
-    """The ``categories`` list of a COCO-format JSON (entries unchecked), or ``DataError``."""
-    content = read_json(ann_file)
-    categories = content.get("categories") if isinstance(content, dict) else None
-    if not isinstance(categories, list):
-        raise DataError(f"annotation file {ann_file}: missing or malformed top-level key 'categories'")
-    return categories
+    """The ``categories`` of a COCO-format JSON, checked against the declared types
+    (``schema.read_coco``); bad input raises ``DataError`` naming the entry and field."""
+    return read_coco(str(ann_file), raise_error).categories
 
 
 def category_id_class_names(cfg: Config, split: str = "train") -> Tuple[List[str], str]:
@@ -176,9 +174,7 @@ def category_id_class_names(cfg: Config, split: str = "train") -> Tuple[List[str
     else:
         source = getattr(data, split).ann_file
         categories = _categories_of(source)
-        if not all(isinstance(c, dict) and "id" in c for c in categories):
-            raise DataError(f"annotation file {source}: missing or malformed top-level key 'categories'")
-        names_by_id = {c["id"]: str(c.get("name", c["id"])) for c in sorted(categories, key=lambda c: c["id"])}
+        names_by_id = {c.id: c.name if c.name is not None else str(c.id) for c in sorted(categories, key=lambda c: c.id)}
     names, _, _ = coco_label_map(names_by_id, list(data.class_names) or None, "category_id", source)
     return names, f"the largest category id of {source}"
 

@@ -1,20 +1,24 @@
-"""COCO instances JSON: parsing (checked entry by entry, see ``dataset.py`` for the
-bad-input policy), the category-id <-> label map, and ``CocoDetection``. The generated
+"""COCO instances JSON: parsing (types checked against ``schema.py``'s declared
+records, then ids and references checked here; see ``dataset.py`` for the bad-input
+policy), the category-id <-> label map, and ``CocoDetection``. The generated
 shapes set is written in this format and read by ``CocoDetection`` too."""
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import io
 import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import msgspec
 from pycocotools.coco import COCO
 
 from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
-from .files import DataError, path_within, read_json
+from .files import DataError, path_within
+from .schema import CocoAnnotation, CocoCategory, CocoFile, CocoImage, read_coco
 
 logger = logging.getLogger(__name__)
 
@@ -72,132 +76,86 @@ def coco_label_map(
     return names, label_to_category_id, used
 
 
-def _read_coco_json(ann_file: str) -> Dict[str, Any]:
-    """Read ``ann_file`` and check its top level.
-
-    Returns the parsed object (a dict whose ``images`` and ``categories`` are lists; a
-    missing ``annotations`` is set to ``[]``).
-
-    Raises:
-        DataError: the top level is no object, or ``images``/``categories`` is missing or
-            not a list (and :func:`read_json`'s errors).
-    """
-    data = read_json(ann_file)
-    if not isinstance(data, dict):
-        raise DataError(f"annotation file {ann_file}: the top level must be an object with 'images', 'annotations', 'categories'")
-    for key in ("images", "categories"):
-        if not isinstance(data.get(key), list):
-            raise DataError(f"annotation file {ann_file}: missing or malformed top-level key '{key}'")
-    data.setdefault("annotations", [])
-    return data
-
-
-def _coco_categories(categories_list: list, ann_file: str, issues: Issues) -> Dict[Any, dict]:
-    """The ``categories`` entries by id (a repeated id: an error in ``issues``; the last wins).
-
-    Raises:
-        DataError: an entry that is no object with an ``id``.
-    """
-    categories = {}
-    for i, cat in enumerate(categories_list):
-        if not isinstance(cat, dict) or "id" not in cat:
-            raise DataError(f"annotation file {ann_file}: categories[{i}] has no 'id'")
-        if cat["id"] in categories:
-            issues.error(f"annotation file {ann_file}: category id {cat['id']} appears twice in 'categories'")
-        categories[cat["id"]] = cat
+def _coco_categories(categories_list: List[CocoCategory], ann_file: str, issues: Issues) -> Dict[int, CocoCategory]:
+    """The ``categories`` entries by id (a repeated id: an error in ``issues``; the last wins)."""
+    categories: Dict[int, CocoCategory] = {}
+    for cat in categories_list:
+        if cat.id in categories:
+            issues.error(f"annotation file {ann_file}: category id {cat.id} appears twice in 'categories'")
+        categories[cat.id] = cat
     return categories
 
 
 def _coco_images(
-    images: list, ann_file: str, image_dir: str | os.PathLike, issues: Issues
-) -> Tuple[List[dict], Dict[Any, str]]:
-    """The valid ``images`` entries: required fields, integer id, positive size,
+    images: List[CocoImage], ann_file: str, image_dir: str | os.PathLike, issues: Issues
+) -> Tuple[List[CocoImage], Dict[int, str]]:
+    """The valid ``images`` entries (types and sizes already checked by the schema):
     ``file_name`` inside ``image_dir``, unique id (pycocotools would silently keep the
     last one). Each invalid entry is an error in ``issues`` and left out.
 
     Returns ``(good_images, seen)``: the valid entries in file order, and their
     ``file_name`` by image id.
     """
-    seen: Dict[Any, str] = {}
+    seen: Dict[int, str] = {}
     good_images = []
-    for i, img in enumerate(images):
-        missing = [k for k in ("id", "file_name", "width", "height") if not isinstance(img, dict) or k not in img]
-        if missing:
-            issues.error(f"annotation file {ann_file}: images[{i}] lacks {', '.join(repr(k) for k in missing)}")
-            continue
-        if not isinstance(img["id"], int) or isinstance(img["id"], bool):
-            issues.error(f"annotation file {ann_file}: images[{i}] has id {img['id']!r}; image ids must be integers")
-            continue
-        if not all(isinstance(img[k], (int, float)) and img[k] > 0 for k in ("width", "height")):
-            issues.error(f"annotation file {ann_file}: image_id {img['id']}: width/height must be positive numbers, "
-                         f"got {img['width']!r} x {img['height']!r}")
-            continue
-        if not isinstance(img["file_name"], str) or path_within(str(image_dir), img["file_name"]) is None:
-            issues.error(f"annotation file {ann_file}: image_id {img['id']}: file_name {img['file_name']!r} "
+    for img in images:
+        if path_within(str(image_dir), img.file_name) is None:
+            issues.error(f"annotation file {ann_file}: image_id {img.id}: file_name {img.file_name!r} "
                          f"resolves outside the image root {image_dir}")
             continue
-        if img["id"] in seen:
-            issues.error(
-                f"annotation file {ann_file}: image_id {img['id']} appears twice "
-                f"({seen[img['id']]!r} and {img['file_name']!r})"
-            )
+        if img.id in seen:
+            issues.error(f"annotation file {ann_file}: image_id {img.id} appears twice "
+                         f"({seen[img.id]!r} and {img.file_name!r})")
             continue
-        seen[img["id"]] = img["file_name"]
+        seen[img.id] = img.file_name
         good_images.append(img)
     return good_images, seen
 
 
 def _coco_annotations(
-    annotations: list,
+    annotations: List[CocoAnnotation],
     ann_file: str,
-    seen: Dict[Any, str],
-    category_id_to_label: Dict[Any, int],
-    names_by_id: Dict[Any, str],
+    seen: Dict[int, str],
+    category_id_to_label: Dict[int, int],
+    names_by_id: Dict[int, str],
     issues: Issues,
-) -> Tuple[Dict[Any, list], List[dict]]:
-    """The valid ``annotations`` entries: an object with a unique ``id``, a valid
-    ``image_id`` (a key of ``seen``, the valid images), a ``category_id`` in use and a
-    ``bbox`` of 4 numbers. Each invalid entry is an error in ``issues`` and left out; an
-    annotation of a category left out of ``data.class_names`` is counted by name in
-    ``issues.other_classes`` and left out.
+) -> Tuple[Dict[int, list], List[CocoAnnotation]]:
+    """The valid ``annotations`` entries (types checked by the schema): a unique ``id``,
+    an ``image_id`` of ``seen`` (the valid images) and a ``category_id`` in use. Each
+    invalid entry is an error in ``issues`` and left out; an annotation of a category
+    left out of ``data.class_names`` is counted by name in ``issues.other_classes`` and
+    left out.
 
     Returns ``(anns_by_image, good_anns)``: the valid entries by image id (every id of
     ``seen``, in its order) and in file order.
     """
-    anns_by_image: Dict[Any, list] = {image_id: [] for image_id in seen}
+    anns_by_image: Dict[int, list] = {image_id: [] for image_id in seen}
     good_anns = []
     ann_ids: set = set()
-    for i, ann in enumerate(annotations):
-        if not isinstance(ann, dict) or "id" not in ann:
-            issues.error(f"annotation file {ann_file}: annotations[{i}] is not an object with an 'id'")
+    for ann in annotations:
+        if ann.id in ann_ids:
+            issues.error(f"annotation file {ann_file}: annotation id {ann.id} appears twice")
             continue
-        where = f"annotation file {ann_file}: annotation id {ann['id']}"
-        if ann["id"] in ann_ids:
-            issues.error(f"{where} appears twice")
+        ann_ids.add(ann.id)
+        if ann.image_id not in seen:  # the keys of anns_by_image
+            issues.error(f"annotation file {ann_file}: annotation id {ann.id}: image_id {ann.image_id} is not in 'images'")
             continue
-        ann_ids.add(ann["id"])
-        if ann.get("image_id") not in seen:  # the keys of anns_by_image
-            issues.error(f"{where}: image_id {ann.get('image_id')!r} is not in 'images'")
-            continue
-        if ann.get("category_id") not in category_id_to_label:
-            if ann.get("category_id") in names_by_id:  # a category left out of data.class_names
-                issues.other_classes[names_by_id[ann["category_id"]]] += 1
+        if ann.category_id not in category_id_to_label:
+            if ann.category_id in names_by_id:  # a category left out of data.class_names
+                issues.other_classes[names_by_id[ann.category_id]] += 1
             else:
-                issues.error(f"{where}: category_id {ann.get('category_id')!r} is not in 'categories'")
+                issues.error(f"annotation file {ann_file}: annotation id {ann.id}: "
+                             f"category_id {ann.category_id} is not in 'categories'")
             continue
-        bbox = ann.get("bbox")
-        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(isinstance(v, (int, float)) for v in bbox):
-            issues.error(f"{where}: 'bbox' must be 4 numbers [x, y, w, h], got {bbox!r}")
-            continue
-        anns_by_image[ann["image_id"]].append(ann)
+        anns_by_image[ann.image_id].append(ann)
         good_anns.append(ann)
     return anns_by_image, good_anns
 
 
 def _coco_records(
-    good_images: List[dict],
-    anns_by_image: Dict[Any, list],
-    category_id_to_label: Dict[Any, int],
+    good_images: List[CocoImage],
+    anns_by_image: Dict[int, List[CocoAnnotation]],
+    category_id_to_label: Dict[int, int],
     image_dir: str | os.PathLike,
     ann_file: str,
     issues: Issues,
@@ -208,20 +166,19 @@ def _coco_records(
     records = []
     image_dir = str(image_dir)
     for img in good_images:
-        width, height = int(img["width"]), int(img["height"])
+        width, height = int(img.width), int(img.height)
         rows = []
-        for ann in anns_by_image[img["id"]]:
-            x, y, w, h = (float(v) for v in ann["bbox"])
+        for ann in anns_by_image[img.id]:
+            x, y, w, h = ann.bbox
             box = check_box((x, y, x + w, y + h), width, height,
-                            f"annotation file {ann_file}: annotation id {ann.get('id')} (image_id {img['id']})", issues)
+                            f"annotation file {ann_file}: annotation id {ann.id} (image_id {img.id})", issues)
             if box is None:
                 continue
-            area = float(ann["area"]) if isinstance(ann.get("area"), (int, float)) and ann["area"] > 0 else w * h
-            rows.append((box, category_id_to_label[ann["category_id"]], bool(ann.get("iscrowd", 0)),
-                         bool(ann.get("difficult", 0) or ann.get("ignore", 0) and not ann.get("iscrowd", 0)),
-                         int(ann.get("id", 0)), area))
+            area = ann.area if ann.area is not None and ann.area > 0 else w * h
+            rows.append((box, category_id_to_label[ann.category_id], bool(ann.iscrowd),
+                         bool(ann.difficult or ann.ignore and not ann.iscrowd), ann.id, area))
         arrays = rows_to_arrays(rows)
-        records.append(ImageRecord(image_id=int(img["id"]), path=path_within(image_dir, img["file_name"]),
+        records.append(ImageRecord(image_id=img.id, path=path_within(image_dir, img.file_name),
                                    width=width, height=height, **arrays))
     return records
 
@@ -232,40 +189,49 @@ def parse_coco(
     issues: Issues,
     class_names: Optional[Sequence[str]] = None,
     label_space: str = "contiguous",
-) -> Tuple[List[ImageRecord], List[str], Dict[int, int], Any]:
-    """Parse a COCO instances JSON (through pycocotools' index) into image records.
+) -> Tuple[List[ImageRecord], List[str], Dict[int, int], CocoFile]:
+    """Parse a COCO instances JSON (checked against ``schema.py``'s types, then its ids
+    and references) into image records.
 
-    Returns ``(records, class_names, label_to_category_id, coco)``: labels as
-    :func:`coco_label_map` gives them for ``label_space``. ``[x, y, w, h]`` becomes
-    ``[x, y, x + w, y + h]``.
+    Returns ``(records, class_names, label_to_category_id, entries)``: labels as
+    :func:`coco_label_map` gives them for ``label_space``; ``entries`` the valid images
+    and annotations and the categories in use (for :func:`coco_index`, which
+    pycocotools would not check: it silently keeps the last of two equal ids).
+    ``[x, y, w, h]`` becomes ``[x, y, x + w, y + h]``.
 
     ``class_names`` (category names, e.g. ``data.class_names``) keeps those categories
     only; annotations of the other categories are dropped and counted by name in
     ``issues.other_classes``.
     """
     ann_file = str(ann_file)
-    data = _read_coco_json(ann_file)
+    data = read_coco(ann_file, issues.error)
 
     # Categories -> labels (see coco_label_map).
-    categories = _coco_categories(data["categories"], ann_file, issues)
-    names_by_id = {c: str(categories[c].get("name", c)) for c in sorted(categories)}
+    categories = _coco_categories(data.categories, ann_file, issues)
+    names_by_id = {c: categories[c].name if categories[c].name is not None else str(c) for c in sorted(categories)}
     class_names, label_to_category_id, cat_ids = coco_label_map(names_by_id, class_names, label_space, ann_file)
     category_id_to_label = {c: lab for lab, c in label_to_category_id.items()}
 
-    good_images, seen = _coco_images(data["images"], ann_file, image_dir, issues)
-    anns_by_image, good_anns = _coco_annotations(data["annotations"], ann_file, seen, category_id_to_label,
+    good_images, seen = _coco_images(data.images, ann_file, image_dir, issues)
+    anns_by_image, good_anns = _coco_annotations(data.annotations, ann_file, seen, category_id_to_label,
                                                  names_by_id, issues)
 
-    # pycocotools' index over the validated content (it would silently keep the last of
-    # two equal ids, and fail on annotations without one).
+    entries = CocoFile(images=good_images, categories=[categories[c] for c in cat_ids], annotations=good_anns)
+    records = _coco_records(good_images, anns_by_image, category_id_to_label, image_dir, ann_file, issues)
+    return records, class_names, label_to_category_id, entries
+
+
+def coco_index(entries: CocoFile) -> COCO:
+    """pycocotools' index over validated entries (:func:`parse_coco`'s), their declared
+    fields only; an ``area`` the file leaves out (or null) is left out."""
     coco = COCO()
-    coco.dataset = {**data, "images": good_images, "annotations": good_anns,
-                    "categories": [categories[c] for c in cat_ids]}
+    coco.dataset = msgspec.to_builtins(entries)
+    for ann in coco.dataset["annotations"]:
+        if ann["area"] is None:
+            del ann["area"]
     with contextlib.redirect_stdout(io.StringIO()):
         coco.createIndex()
-
-    records = _coco_records(good_images, anns_by_image, category_id_to_label, image_dir, ann_file, issues)
-    return records, class_names, label_to_category_id, coco
+    return coco
 
 
 class CocoDetection(DetectionDataset):
@@ -296,9 +262,9 @@ class CocoDetection(DetectionDataset):
         label_space: str = "contiguous",
     ) -> None:
         issues = Issues(strict=True)
-        records, class_names, label_to_cat, coco = parse_coco(ann_file, image_dir, issues, class_names, label_space)
+        self._class_subset = list(class_names) if class_names else None
+        records, class_names, label_to_cat, _ = parse_coco(ann_file, image_dir, issues, class_names, label_space)
         self.label_space = label_space
-        self.coco = coco
         self.image_dir = str(image_dir)
         self.ann_file = str(ann_file)
         if issues.skipped:
@@ -307,3 +273,10 @@ class CocoDetection(DetectionDataset):
         super().__init__(records, class_names, label_to_cat, transforms=transforms, use_difficult=use_difficult,
                          filter_empty=filter_empty, skipped=issues.skipped, source=str(ann_file))
 
+    @functools.cached_property
+    def coco(self) -> COCO:
+        """pycocotools' index over the validated annotations, built on first use (the
+        file read again: on COCO train it would cost seconds and GBs that training
+        does not need)."""
+        issues = Issues(strict=True, log_skips=False)
+        return coco_index(parse_coco(self.ann_file, self.image_dir, issues, self._class_subset, self.label_space)[3])

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import xml.etree.ElementTree as ET
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import numpy as np
 
 from .coco import parse_coco
 from .dataset import Issues
-from .files import DataError, read_json
+from .schema import load_coco_json, raise_error, read_voc_xml
 from detector.messages import DetectorError
 
 SPLIT_NAMES = ("train", "val", "test")
@@ -195,7 +194,7 @@ def read_coco_images(ann_file: str | os.PathLike) -> tuple[LabelledImages, Dict[
     """Image ids and boxes per class of a COCO instances JSON (validated like training
     does, bad input raises ``DataError`` naming it), and the raw JSON to write from."""
     records, class_names, _, _ = parse_coco(ann_file, "", Issues(strict=True, log_skips=False))
-    data = read_json(ann_file)
+    data = load_coco_json(str(ann_file))
     counts = [Counter((r.labels - 1).tolist()) for r in records]
     return LabelledImages([r.image_id for r in records], counts, class_names), data
 
@@ -203,7 +202,8 @@ def read_coco_images(ann_file: str | os.PathLike) -> tuple[LabelledImages, Dict[
 def read_voc_images(root: str | os.PathLike, split: Optional[str] = None) -> LabelledImages:
     """VOC ids and objects per class name: the ids of ``ImageSets/Main/<split>.txt``, or
     of every ``Annotations/*.xml`` when ``split`` is None. Every object counts (difficult
-    too). A missing or broken XML file raises ``DataError`` naming it."""
+    too). A missing, broken or badly typed XML file (see ``schema.read_voc_xml``) raises
+    ``DataError`` naming it."""
     root = Path(root)
     if split:
         split_file = root / "ImageSets" / "Main" / f"{split}.txt"
@@ -216,17 +216,8 @@ def read_voc_images(root: str | os.PathLike, split: Optional[str] = None) -> Lab
             raise FileNotFoundError(f"no VOC annotation files in {root / 'Annotations'}")
     names_per_image = []
     for vid in ids:
-        xml_path = root / "Annotations" / f"{vid}.xml"
-        try:
-            objects = ET.parse(xml_path).getroot().findall("object")
-        except FileNotFoundError:
-            raise DataError(f"VOC annotation file not found: {xml_path}") from None
-        except ET.ParseError as exc:
-            raise DataError(f"VOC annotation file {xml_path} is not valid XML: {exc}") from None
-        names = [(o.findtext("name") or "").strip() for o in objects]
-        if "" in names:
-            raise DataError(f"VOC annotation file {xml_path}: object {names.index('')} has no <name>")
-        names_per_image.append(names)
+        parsed = read_voc_xml(root / "Annotations" / f"{vid}.xml", raise_error)
+        names_per_image.append([obj.name for obj in parsed.objects])
     class_names = sorted({n for names in names_per_image for n in names})
     index = {n: i for i, n in enumerate(class_names)}
     counts = [Counter(index[n] for n in names) for names in names_per_image]

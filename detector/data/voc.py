@@ -1,5 +1,6 @@
 """PASCAL VOC year folders (``VOCdevkit/VOC2007``): the split file, one XML per image
-(see ``dataset.py`` for the bad-input policy), and ``VOCDetection``."""
+(read and type-checked by ``schema.read_voc_xml``; see ``dataset.py`` for the bad-input
+policy), and ``VOCDetection``."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import difflib
 import logging
 import os
 import re
-import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
 from .files import DataError, path_within
+from .schema import VocObject, read_voc_xml
 
 logger = logging.getLogger(__name__)
 
@@ -23,11 +24,6 @@ VOC_CLASSES: Tuple[str, ...] = (
     "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
     "train", "tvmonitor",
 )  # fmt: skip
-
-
-def _xml_text(node: Optional[ET.Element], tag: str) -> Optional[str]:
-    child = node.find(tag) if node is not None else None
-    return child.text.strip() if child is not None and child.text is not None else None
 
 
 def voc_image_ids(ids: Sequence[str]) -> List[int]:
@@ -59,32 +55,8 @@ def _voc_split_ids(split_file: Path, issues: Issues) -> List[str]:
     return list(dict.fromkeys(ids))
 
 
-def _read_voc_xml(xml_path: Path, issues: Issues) -> Optional[Tuple[ET.Element, int, int]]:
-    """Parse one VOC XML file: ``(root element, width, height)`` in pixels, or None after
-    an error in ``issues`` (missing file, invalid XML, missing/bad or non-positive size)."""
-    try:
-        tree = ET.parse(xml_path)
-    except FileNotFoundError:
-        issues.error(f"VOC annotation file not found: {xml_path}")
-        return None
-    except ET.ParseError as exc:
-        issues.error(f"VOC annotation file {xml_path} is not valid XML: {exc}")
-        return None
-    node = tree.getroot()
-    size = node.find("size")
-    try:
-        width, height = int(float(_xml_text(size, "width"))), int(float(_xml_text(size, "height")))
-    except (TypeError, ValueError):
-        issues.error(f"VOC annotation file {xml_path}: missing or bad <size><width>/<height>")
-        return None
-    if width <= 0 or height <= 0:
-        issues.error(f"VOC annotation file {xml_path}: image size {width}x{height} is not positive")
-        return None
-    return node, width, height
-
-
 def _voc_object_row(
-    obj: ET.Element,
+    obj: VocObject,
     where: str,
     width: int,
     height: int,
@@ -93,28 +65,24 @@ def _voc_object_row(
     ann_id: int,
     issues: Issues,
 ) -> Optional[tuple]:
-    """One ``<object>`` (``where`` names it in messages) of a ``width`` x ``height`` image.
+    """One ``<object>`` (types checked by the schema; ``where`` names it in messages) of a
+    ``width`` x ``height`` image.
 
     Returns the row ``(box xyxy, label, iscrowd=False, difficult, ann_id, area)`` with the
     box converted from VOC's 1-based inclusive pixels and checked by :func:`check_box`, or
     None: an unknown class (an error in ``issues``, or with ``drop_other_classes``
-    counted in ``issues.other_classes``), bad ``<bndbox>`` coordinates (an error), or a
-    box that :func:`check_box` skips. Fractional coordinates are accepted and noted in
-    ``issues.non_integer``.
+    counted in ``issues.other_classes``), or a box that :func:`check_box` skips.
+    Fractional coordinates are accepted and noted in ``issues.non_integer``.
     """
-    name = _xml_text(obj, "name")
+    name = obj.name
     if name not in name_to_label:
         if drop_other_classes and name:
             issues.other_classes[name] += 1
         else:
             issues.error(f"{where}: class name {name!r} is not in data.class_names")
         return None
-    bnd = obj.find("bndbox")
-    try:
-        xmin, ymin, xmax, ymax = (float(_xml_text(bnd, k)) for k in ("xmin", "ymin", "xmax", "ymax"))
-    except (TypeError, ValueError):
-        issues.error(f"{where}: missing or bad <bndbox> coordinates")
-        return None
+    b = obj.bndbox
+    xmin, ymin, xmax, ymax = b.xmin, b.ymin, b.xmax, b.ymax
     box = check_box((xmin - 1.0, ymin - 1.0, xmax, ymax), width, height, where, issues)
     if box is None:
         return None
@@ -123,9 +91,8 @@ def _voc_object_row(
         # floats (same conversion), counted for check_dataset's report.
         issues.non_integer.append(f"{where}: non-integer coordinates "
                                   f"[{xmin:g}, {ymin:g}, {xmax:g}, {ymax:g}] (accepted as floats)")
-    difficult = (_xml_text(obj, "difficult") or "0") not in ("0", "")
     area = (box[2] - box[0]) * (box[3] - box[1])
-    return box, name_to_label[name], False, difficult, ann_id, area
+    return box, name_to_label[name], False, bool(obj.difficult), ann_id, area
 
 
 def parse_voc(
@@ -157,13 +124,15 @@ def parse_voc(
             issues.error(f"VOC split file {split_file}: image id {vid!r} resolves outside the year folder {root}")
             continue
         xml_path = root / "Annotations" / f"{vid}.xml"
-        parsed = _read_voc_xml(xml_path, issues)
+        parsed = read_voc_xml(xml_path, issues.error)
         if parsed is None:
             continue
-        node, width, height = parsed
+        width, height = parsed.size.width, parsed.size.height
         rows = []
-        for j, obj in enumerate(node.findall("object")):
+        for j, obj in enumerate(parsed.objects):
             ann_counter += 1  # every object counts, kept or not
+            if obj is None:  # reported by read_voc_xml
+                continue
             row = _voc_object_row(obj, f"VOC annotation file {xml_path}: object {j}", width, height,
                                   name_to_label, drop_other_classes, ann_counter, issues)
             if row is not None:

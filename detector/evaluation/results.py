@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from detector.data.schema import CocoGroundTruth, load_coco_json
 from detector.messages import DetectorError
 
 FIELDS = ("image_id", "category_id", "bbox", "score")
@@ -387,8 +388,9 @@ def write_results_file(path: str | Path, dets: Detections, chunk: int = 100_000)
 
 def load_ground_truth(path: str | Path) -> Dict[str, Any]:
     """A COCO-format ground-truth JSON file, checked (errors name the file, the
-    section, the index and the field)."""
-    gt = load_json_file(path, "annotations")
+    section, the index and the field): field types by the data layer's declared COCO
+    records (``detector.data.schema``), then ids and references."""
+    gt = load_coco_json(str(path), CocoGroundTruth)
     check_ground_truth(gt, source=str(path))
     return gt
 
