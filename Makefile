@@ -4,6 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
+# The torch pair CI tests in full. The oldest and newest supported pairs are tested with
+# `make test-fast` in .ci/run (README, "Supported versions").
+TORCH       ?= 2.14.1
+TORCHVISION ?= 0.29.1
 
 # OpenMP threads that sleep instead of spin while waiting: on a small, shared CPU the
 # spinning default makes two-thread torch many times slower (docs/training.md).
@@ -14,7 +18,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install torch==2.14.1 torchvision==0.29.1
+	$(PIP) install torch==$(TORCH) torchvision==$(TORCHVISION)
 	$(PIP) install -e ".[test,export]"
 	touch $(STAMP)
 

@@ -10,6 +10,7 @@ from PIL import Image
 
 from detector.config import load_config
 from detector.data import build_dataset
+from detector.data.check import check_dataset
 from detector.data.shapes import CLASS_NAMES, MIN_OBJECT_SIDE, ensure_shapes, generate_shapes
 from conftest import load_tool
 
@@ -142,3 +143,17 @@ def test_concurrent_first_use(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0, 0]
     assert len(json.loads((root / "train.json").read_text())["images"]) == 3
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".s.lock")) == ["s"]
+
+
+def test_shapes_format_does_not_read_coco_ann_file(tmp_path):
+    """A format reads only its own keys: a COCO ``ann_file`` inherited from a base config
+    (configs/finetune_torchvision_coco.yaml extends a COCO recipe) is not read for shapes."""
+    root = tmp_path / "shapes"
+    missing = "data/coco/annotations/instances_train2017.json"
+    cfg = load_config(None, ["data.format=shapes", f"data.train.root={root}", f"data.val.root={root}",
+                             f"data.train.ann_file={missing}", f"data.val.ann_file={missing}",
+                             "data.shapes.num_train=3", "data.shapes.num_val=2"])
+    assert len(build_dataset(cfg, "train", is_train=False)) == 3
+    assert len(build_dataset(cfg, "val", is_train=False)) == 2
+    report = check_dataset(cfg, "train", decode=False)
+    assert report.ok and report.num_images == 3

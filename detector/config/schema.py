@@ -125,6 +125,8 @@ class ROIHeadsConfig:
 class SplitConfig:
     # COCO: image folder and instances JSON. VOC: VOCdevkit year folder and split name.
     # shapes: the folder written by detector.data.shapes and the split name.
+    # Each format reads only its own keys (ann_file: COCO only; split: VOC and shapes), so a
+    # key inherited from a base config of another format is not read.
     root: str = ""
     ann_file: str = ""
     split: str = ""

@@ -125,8 +125,9 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     s = data.shapes
     root = ensure_shapes(sc.root, s.num_train, s.num_val, s.seed, s.min_side, s.max_side)
     name = sc.split or split
-    ann_file = Path(sc.ann_file) if sc.ann_file else Path(root) / f"{name}.json"
-    return CocoDetection(Path(root) / name, ann_file, transforms=transforms, filter_empty=filter_empty,
+    # Each format reads its own keys only: a shapes folder's annotations are <root>/<split>.json,
+    # whatever data.<split>.ann_file (a COCO key, e.g. inherited from a COCO base config) says.
+    return CocoDetection(Path(root) / name, Path(root) / f"{name}.json", transforms=transforms, filter_empty=filter_empty,
                          use_difficult=data.use_difficult, class_names=names, label_space=data.label_space)
 
 

@@ -78,7 +78,7 @@ def describe_source(cfg: Config, split: str) -> str:
                 f"JPEGImages/")
     if data.format == "shapes":
         name = sc.split or split
-        return f"shapes {sc.ann_file or os.path.join(sc.root, f'{name}.json')}, images in {os.path.join(sc.root, name)}"
+        return f"shapes {os.path.join(sc.root, f'{name}.json')}, images in {os.path.join(sc.root, name)}"
     return f"data.format {data.format!r}"
 
 
@@ -96,7 +96,7 @@ def _records_for(cfg: Config, split: str, issues: Issues) -> Tuple[List[ImageRec
         return records, dict(enumerate(names, start=1))
     if data.format == "shapes":
         name = sc.split or split
-        ann_file = sc.ann_file or os.path.join(sc.root, f"{name}.json")
+        ann_file = os.path.join(sc.root, f"{name}.json")  # data.<split>.ann_file is COCO's key, not read here
         records, names, label_to_cat, _ = parse_coco(ann_file, os.path.join(sc.root, name), issues, subset,
                                                      data.label_space)
         return records, {lab: names[lab - 1] for lab in label_to_cat}
