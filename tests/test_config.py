@@ -147,3 +147,19 @@ def test_every_bound_next_to_a_field_is_enforced():
         for bad in (v for v in outside if v is not None):
             with pytest.raises(ConfigError, match=rf"^config key '{re.escape(key)}' must be .*, got "):
                 load_config(None, [f"{key}={bad}"])
+
+
+@pytest.mark.parametrize("given, nearest", [
+    ("solver.base_lr", "solver.lr"),            # an alias (detectron2's name), not solver.scale_lr
+    ("solver.learning_rate", "solver.lr"),
+    ("solver.max_iters", "solver.max_iter"),
+    ("solver.ims_per_batch", "solver.images_per_gpu"),
+    ("solver.momentum_sgd", "solver.momentum"),  # a sibling that is one of its parts
+    ("solver.lrr", "solver.lr"),
+    ("model.num_clases", "model.num_classes"),
+    ("sovler", "solver"),
+])
+def test_unknown_key_suggests_the_nearest_key_of_its_section(given, nearest):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{given}=1"])
+    assert f"unknown config key '{given}' (did you mean '{nearest}'?)" in str(err.value)

@@ -61,20 +61,40 @@ def _list_item_schema(section: Any, name: str) -> Optional[type]:
     return args[0] if args and dataclasses.is_dataclass(args[0]) else None
 
 
+# Names other frameworks give to keys of this schema (the last key component).
+_KEY_ALIASES = {
+    "base_lr": "lr", "learning_rate": "lr", "max_iters": "max_iter", "max_epochs": "max_iter",
+    "ims_per_batch": "images_per_gpu", "batch_size": "images_per_gpu", "samples_per_gpu": "images_per_gpu",
+    "warmup_iter": "warmup_iters", "lr_steps": "steps", "milestones": "steps",
+}
+
+
+def _nearest_key(key: str, valid: List[str]) -> Optional[str]:
+    """The valid key nearest to ``key``, comparing the last component within its section
+    first: a known alias (``base_lr`` -> ``lr``), a sibling that is one of its ``_`` parts,
+    then the closest spelling; else the closest full key; None when nothing is close."""
+    section, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in valid if k.rpartition(".")[0] == section]
+    parts = [p for p in leaf.split("_") if p in siblings]
+    candidates = ([_KEY_ALIASES[leaf]] if _KEY_ALIASES.get(leaf) in siblings else []) \
+        + sorted(parts, key=len, reverse=True) + difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if candidates:
+        return f"{section}.{candidates[0]}" if section else candidates[0]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
+    return (f"{section}.{near[0]}" if section else near[0]) if near else None
+
+
 def _unknown_key_error(key: str, schema: Any = None, prefix: str = "") -> ConfigError:
     """An error naming ``key`` and the nearest valid key (``schema`` is the section that
     lacks it, ``prefix`` that section's dotted name)."""
     valid = _valid_keys(Config())
     if schema is not None and prefix.endswith("]."):  # an item of a list of sections
         valid = [prefix + k for k in _valid_keys(schema)]
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    if not close:
-        # Compare the last component within the same section too.
-        section, _, leaf = key.rpartition(".")
-        siblings = [k.rpartition(".")[2] for k in valid if k.rpartition(".")[0] == section]
-        near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)
-        close = [f"{section}.{near[0]}" if section else near[0]] if near else []
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    close = _nearest_key(key, valid)
+    hint = f" (did you mean '{close}'?)" if close else ""
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
