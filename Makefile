@@ -13,7 +13,7 @@ TORCHVISION ?= 0.29.1
 # spinning default makes two-thread torch many times slower (docs/training.md).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-fast demo clean distclean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,8 +30,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
+# --resume: the first `make demo` starts the run; a later one continues an interrupted
+# run, or re-evaluates a finished one (runs/demo/eval/). ARGS: extra key=value overrides.
 demo: $(STAMP)
-	$(PY) tools/train.py --config configs/demo_shapes.yaml
+	$(PY) tools/train.py --config configs/demo_shapes.yaml --resume $(ARGS)
+	@echo "next: source $(VENV)/bin/activate, then the README's commands (python tools/eval.py ..., tensorboard --logdir runs/)"
 
+# runs/ and caches; the environment stays (make distclean removes it too).
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf runs .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV)
