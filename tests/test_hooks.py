@@ -22,7 +22,7 @@ from detector.engine.hooks import (
     PeriodicCheckpointer,
     SignalHook,
 )
-from detector.engine.log import EventWriters, JSONLWriter, read_jsonl
+from detector.engine.log import LOG_WIDTH, EventWriters, JSONLWriter, read_jsonl, setup_logging
 from detector.engine.train_loop import LoopState
 from detector.engine.step import StepResult
 
@@ -342,3 +342,15 @@ def test_evaluation_failing_on_one_rank_fails_on_every_rank(tmp_path, failing_ra
     results = [(tmp_path / f"result{r}.txt").read_text() for r in range(2)]
     assert results[0] == results[1] and f"scoring failed on rank {failing_rank}" in results[0], results
     assert not (tmp_path / "r0" / "checkpoints" / "best.pth").exists()
+
+
+def test_log_lines_are_wrapped_at_a_readable_width(tmp_path, capsys):
+    """Console and log.txt lines are at most LOG_WIDTH characters; no word is lost."""
+    words = [f"metric_{i} {i / 7:.4f}" for i in range(40)]
+    setup_logging(tmp_path, 0)
+    logging.getLogger("detector.test").info("  ".join(words))
+    for text in (capsys.readouterr().out, (tmp_path / "log.txt").read_text()):
+        lines = text.rstrip("\n").splitlines()
+        assert len(lines) > 1 and all(len(line) <= LOG_WIDTH for line in lines), lines
+        assert all(line.startswith("    ") for line in lines[1:])
+        assert " ".join(text.split()).endswith(" ".join(" ".join(words).split()))

@@ -202,10 +202,11 @@ def test_two_nodes_train_to_the_end(data_root, straight, tmp_path):
     port = free_port()
     agents = [
         start(train_cmd(data_root, out, launcher=[
-            *TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            *TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",  # no --node-rank: c10d orders
             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes-test"]), tmp_path / f"node{node}.txt")
         for node in (0, 1)
     ]
     for node, agent in enumerate(agents):
         assert agent.wait(TIMEOUT) == 0, (tmp_path / f"node{node}.txt").read_text()[-3000:]
+        assert "node_rank is only used" not in (tmp_path / f"node{node}.txt").read_text()  # the README's loop
     assert_same_weights(model_of(out), straight(2))

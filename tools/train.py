@@ -99,11 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return report_error(exc, line=message)
     finally:
         distributed.cleanup()
-    if rank == 0:
-        metrics = result.metrics
-        if metrics:
-            keys = [k for k in ("AP", "AP50", "AP75", "APs", "APm", "APl", "mAP_voc07") if k in metrics]
-            print("val metrics: " + "  ".join(f"{k} {metrics[k]:.4f}" for k in keys))
+    if rank == 0:  # (the final metrics were logged once, as the evaluator's table)
         print(f"{result.status} at iteration {result.iteration}; run folder: {result.output_dir}")
     return 0
 

@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -31,14 +32,33 @@ class ErrorsOnly(logging.Filter):
         return record.levelno >= logging.ERROR
 
 
+LOG_WIDTH = 120  # characters per console and log.txt line
+
+
+class WrappingFormatter(logging.Formatter):
+    """Wraps each line of a message longer than ``width`` characters at spaces, the
+    continuation lines indented by 4 (a traceback is left as it is)."""
+
+    def __init__(self, fmt: str, datefmt: str, width: int = LOG_WIDTH) -> None:
+        super().__init__(fmt, datefmt)
+        self.width = width
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        lines = []
+        for line in super().formatMessage(record).splitlines() or [""]:
+            lines.extend(textwrap.wrap(line, self.width, subsequent_indent="    ", break_long_words=False,
+                                       break_on_hyphens=False) if len(line) > self.width else [line])
+        return "\n".join(lines)
+
+
 def setup_logging(output_dir: Optional[str | os.PathLike] = None, rank: int = 0, level: int = logging.INFO) -> None:
     """Configure the ``detector`` logger and Python's warnings (``py.warnings``, through
     ``logging.captureWarnings``): console on rank 0 at ``level``, errors only on the
-    other ranks (``ErrorsOnly``), and ``<output_dir>/log.txt`` on rank 0. Called once
-    by the entry point."""
+    other ranks (``ErrorsOnly``), and ``<output_dir>/log.txt`` on rank 0, lines wrapped
+    at ``LOG_WIDTH``. Called once by the entry point."""
     logging.captureWarnings(True)
     prefix = f"[rank {rank}] " if rank > 0 else ""
-    fmt = logging.Formatter(f"%(asctime)s {prefix}%(levelname).1s %(name)s: %(message)s", "%H:%M:%S")
+    fmt = WrappingFormatter(f"%(asctime)s {prefix}%(levelname).1s %(name)s: %(message)s", "%H:%M:%S")
     console = logging.StreamHandler(sys.stdout)
     console.setLevel(level)
     if rank > 0:

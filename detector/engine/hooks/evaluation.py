@@ -107,8 +107,10 @@ class EvalHook(HookBase):
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         self.last_metrics = metrics
         if self.is_main:
-            logger.info("evaluation at iteration %d (%.1fs): %s", iteration, time.perf_counter() - t0,
-                        "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            # The evaluator's table showed every metric; this line is the headline for the log.
+            head = [k for k in (self.best_metric, "AP", "AP50", "mAP_voc07") if k in metrics]
+            logger.info("evaluation at iteration %d (%.1fs): %s", iteration,
+                        time.perf_counter() - t0, "  ".join(f"{k} {metrics[k]:.4f}" for k in dict.fromkeys(head)))
             self.writers.write({"iteration": iteration, "type": "eval", **metrics},
                                {f"eval/{k}": v for k, v in metrics.items()}, iteration)
             if self.writers.tb is not None:
