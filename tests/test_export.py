@@ -4,6 +4,7 @@ model's detections on images of two sizes; a tampered file fails the parity chec
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import warnings
 
@@ -225,3 +226,21 @@ def test_tool_missing_weights_is_one_line(tmp_path, capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@needs_ort
+def test_tool_onnx_file_carries_class_names_and_input_sizes(model, tmp_path, capsys):
+    """The ONNX file says what its labels are and how the images were resized (metadata_props)."""
+    import onnxruntime
+
+    weights, out = tmp_path / "w.pth", tmp_path / "model.onnx"
+    torch.save(model.state_dict(), weights)
+    cfg = ROOT / "configs" / "tiny_cpu.yaml"
+    argv = ["--config", str(cfg), "--weights", str(weights), "--format", "onnx", "--output", str(out),
+            "--image-size", "64", "96", *OVERRIDES]
+    assert TOOL.main(argv) == 0, capsys.readouterr()
+    meta = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"]).get_modelmeta()
+    props = meta.custom_metadata_map
+    assert json.loads(props["class_names"]) == ["circle", "rectangle", "triangle"] and props["num_classes"] == "3"
+    assert (props["min_size_test"], props["max_size_test"]) == ("128", "224")  # tiny_cpu.yaml's input.*_test
+    assert "uint8" in props["input"]

@@ -48,6 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.tasks import benchmark_exported  # noqa: E402
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
+from detector.data import class_names_for  # noqa: E402
 from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
 from detector.modeling.weights import load_weights  # noqa: E402
@@ -59,6 +60,7 @@ from detector.modeling.export import (  # noqa: E402
     FORMATS,
     SCORE_TOL,
     ExportError,
+    export_metadata,
     export_model,
     verify_export,
 )
@@ -135,7 +137,8 @@ def export(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if not args.verify_only:
         output.parent.mkdir(parents=True, exist_ok=True)
-        export_model(model, args.format, output, images[0], opset=args.opset)
+        metadata = export_metadata(class_names_for(cfg), cfg.input.min_size_test, cfg.input.max_size_test)
+        export_model(model, args.format, output, images[0], opset=args.opset, metadata=metadata)
         print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {args.format})")
     print(f"parity check: boxes within {args.box_tol:g} px + {args.box_rtol:g} x the longer image side, "
           f"scores within {args.score_tol:g}, same labels")

@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
+from detector.data import class_names_for  # noqa: E402,F401  (test_label_space reads it here)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -43,30 +44,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--score-thresh", type=float, default=0.5, help="draw detections with score >= this (default 0.5)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     return p.parse_args(argv)
-
-
-def class_names_for(cfg) -> List[str]:
-    """``data.class_names``, else the generated shapes' names, else ``class 1..K``; with
-    ``data.label_space: category_id``, one name per category id (``unused_<id>`` slots)."""
-    if cfg.data.label_space == "category_id" and (
-            cfg.data.format == "shapes" or cfg.data.val.ann_file and Path(cfg.data.val.ann_file).is_file()):
-        from detector.data import category_id_class_names
-
-        return category_id_class_names(cfg, "val")[0]
-    if cfg.data.class_names:
-        return list(cfg.data.class_names)
-    if cfg.data.format == "shapes":
-        from detector.data.shapes import CLASS_NAMES
-
-        return list(CLASS_NAMES)
-    if cfg.data.format == "voc":
-        from detector.data.voc import VOC_CLASSES
-
-        return list(VOC_CLASSES)
-    if cfg.data.format == "coco" and cfg.data.val.ann_file and Path(cfg.data.val.ann_file).is_file():
-        cats = sorted(json.loads(Path(cfg.data.val.ann_file).read_text()).get("categories", []), key=lambda c: c["id"])
-        return [c["name"] for c in cats]
-    return [f"class {i + 1}" for i in range(cfg.model.num_classes)]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -18,6 +18,7 @@ from .build import (
     build_dataset,
     category_id_class_names,
     check_data_paths,
+    class_names_for,
     data_num_classes,
     resolve_num_classes,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "build_train_loader",
     "build_transforms",
     "category_id_class_names",
+    "class_names_for",
     "check_data_paths",
     "coco_label_map",
     "data_num_classes",

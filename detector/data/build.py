@@ -205,3 +205,23 @@ def resolve_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None,
         raise ConfigError(f"config key 'model.num_classes' is {n} but the data has {k} classes ({source}); "
                           f"set model.num_classes=auto or {k}")
     return cfg
+
+
+def class_names_for(cfg: Config) -> List[str]:
+    """The name of each label 1..K without building the data set (for drawings and exported
+    files): ``data.class_names``, else the shapes' names, VOC's 20, the COCO categories of
+    ``data.val.ann_file`` when it exists, else ``class 1..K``; with ``data.label_space:
+    category_id``, one name per category id (``unused_<id>`` slots)."""
+    data = cfg.data
+    val_json = data.format == "coco" and bool(data.val.ann_file) and Path(data.val.ann_file).is_file()
+    if data.label_space == "category_id" and (data.format == "shapes" or val_json):
+        return category_id_class_names(cfg, "val")[0]
+    if data.class_names:
+        return list(data.class_names)
+    if data.format == "shapes":
+        return list(SHAPES_CLASS_NAMES)
+    if data.format == "voc":
+        return list(VOC_CLASSES)
+    if val_json:
+        return [str(c.get("name", c.get("id"))) for c in sorted(_categories_of(data.val.ann_file), key=lambda c: c["id"])]
+    return [f"class {i + 1}" for i in range(cfg.model.num_classes)]

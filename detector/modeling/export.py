@@ -25,10 +25,11 @@ docs/deploy.md). TorchScript runs PyTorch's own kernels and matches exactly.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +103,7 @@ def require_onnx() -> None:
 
 
 def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: Tensor,
-                 opset: int = DEFAULT_OPSET) -> None:
+                 opset: int = DEFAULT_OPSET, metadata: Optional[Dict[str, str]] = None) -> None:
     """Trace ``DetectorForExport(model)`` on ``example`` (``[3, H, W]`` uint8) and write it.
 
     Args:
@@ -111,6 +112,8 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
             ``[3, height, width]`` uint8; outputs ``boxes``, ``scores``, ``labels`` with a
             dynamic ``detections`` axis).
         opset: ONNX opset (>= 11 for torchvision's NMS and RoIAlign).
+        metadata: ONNX only: string pairs stored as the file's ``metadata_props`` (see
+            ``export_metadata``), readable with onnxruntime's ``get_modelmeta()``.
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got '{fmt}'")
@@ -143,10 +146,23 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
         )
     import onnx  # optional dependency, checked by require_onnx
 
+    if metadata:
+        proto = onnx.load(str(path))
+        onnx.helper.set_model_props(proto, {str(k): str(v) for k, v in metadata.items()})
+        onnx.save(proto, str(path))
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         raise ExportError(f"the ONNX file {path} is not valid: {first_line(exc)}") from None
+
+
+def export_metadata(class_names: Sequence[str], min_size_test: int, max_size_test: int) -> Dict[str, str]:
+    """What a user of the exported file needs besides it: the class name of each label
+    1..K (JSON list; label 0 is background) and the resize the model was tested with
+    (shorter side to ``min_size_test``, longer side at most ``max_size_test``)."""
+    return {"class_names": json.dumps(list(class_names)), "num_classes": str(len(class_names)),
+            "input": "image: uint8 RGB [3, height, width], resized by the caller",
+            "min_size_test": str(min_size_test), "max_size_test": str(max_size_test)}
 
 
 def load_exported(fmt: str, path: str | os.PathLike, threads: int = 0) -> Callable[[Tensor], Detections]:
