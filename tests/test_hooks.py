@@ -310,6 +310,33 @@ def test_signal_hook_requests_a_stop_and_restores_handlers():
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_signal_hook_does_nothing_in_a_forked_worker(caplog):
+    """A data-loader worker forked after the handlers were installed gets the terminal's
+    Ctrl-C too: it neither logs nor stops (the main process logs the signal once)."""
+    hook = SignalHook()
+    state = LoopState(max_iter=10)
+    hook.before_train(state)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            records = []
+            logging.getLogger("detector").addHandler(logging.Handler())
+            logging.getLogger("detector").handlers[-1].emit = records.append
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                code = 0 if state.stop_requested is None and not records else 1
+            except BaseException:
+                code = 2
+            os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert state.stop_requested is None
+        with caplog.at_level(logging.WARNING, logger="detector"):
+            os.kill(os.getpid(), signal.SIGINT)  # the main process: logged once
+        assert state.stop_requested == "SIGINT" and caplog.text.count("received SIGINT") == 1
+    finally:
+        hook.after_train(state)
+
+
 def _eval_hook_rank(rank: int, world_size: int, folder: str, failing_rank: int) -> None:
     """A spawned rank: its evaluation fails on ``failing_rank`` only; every rank must
     return that failure (and none waits in ``_keep_best``'s collective)."""

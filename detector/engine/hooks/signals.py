@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import Any, Dict
@@ -15,7 +16,9 @@ logger = logging.getLogger(__name__)
 class SignalHook(HookBase):
     """SIGTERM / SIGINT: stop after the current iteration (the checkpointer then writes
     ``last.pth``). A second signal raises ``KeyboardInterrupt`` at once. Handlers are
-    installed only in the main thread and restored at the end."""
+    installed only in the main thread and restored at the end. Forked data-loader
+    workers inherit the handlers and get the terminal's Ctrl-C too: there the handler
+    does nothing (the main process stops them), so a signal is logged once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -26,7 +29,11 @@ class SignalHook(HookBase):
         if threading.current_thread() is not threading.main_thread():
             return
 
+        owner = os.getpid()
+
         def handler(signum: int, frame: Any) -> None:
+            if os.getpid() != owner:  # a forked worker
+                return
             if state.stop_requested is not None:
                 raise KeyboardInterrupt
             state.stop_requested = signal.Signals(signum).name
