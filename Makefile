@@ -34,7 +34,7 @@ test-fast: $(STAMP)
 # run, or re-evaluates a finished one (runs/demo/eval/). ARGS: extra key=value overrides.
 demo: $(STAMP)
 	$(PY) tools/train.py --config configs/demo_shapes.yaml --resume $(ARGS)
-	@echo "next: source $(VENV)/bin/activate, then the README's commands (python tools/eval.py ..., tensorboard --logdir runs/)"
+	@echo "next: source $(VENV)/bin/activate, then the README's commands"
 
 # runs/ and caches; the environment stays (make distclean removes it too).
 clean:

@@ -111,7 +111,7 @@ RUN: List[Tuple[str, Dict[str, str], List[str]]] = [
     (r"^python tools/train\.py --config configs/finetune_torchvision_coco\.yaml",
      {"model.num_classes=K ...": "model.num_classes=3"},
      [*DEMO_SIZES.split(), "data.train.root=runs/shapes_data", "data.val.root=runs/shapes_data",
-      '"input.min_size_train=[128]"', "input.max_size_train=160", *SMALL_TEST, "data.num_workers=0"]),
+      "input.min_size_train=[128]", "input.max_size_train=160", *SMALL_TEST, "data.num_workers=0"]),
 ]
 # Commands not run here, and why. Each is still checked dry (test_commands_parse).
 NOT_RUN: List[Tuple[str, str]] = [
@@ -328,7 +328,11 @@ def test_commands_run_as_written(sandbox, tmp_path):
             assert proc.returncode == 0 and "Traceback" not in output, f"{cmd}\n{output[-3000:]}"
             if cmd.text == "make demo":
                 assert (sandbox / "runs/demo/checkpoints/best.pth").is_file()
-                assert output.count("AP50") == 1, output[-3000:]  # the final metrics, printed once
+                assert output.count("COCO bbox (IoU") == 1, output[-3000:]  # the final metrics, printed once
+                assert output.count("AR100") == 1 and "val metrics" not in output, output[-3000:]
+                long = [line for line in output.splitlines() if len(line) > 120 and " tools/train.py " not in line]
+                assert not long, long  # (make echoes its command line)
                 again = _run(argv, sandbox, env)  # a second `make demo` re-evaluates the finished run
                 text = again.stdout + again.stderr
-                assert again.returncode == 0 and "resumed from" in text and text.count("AP50") == 1, text[-3000:]
+                assert again.returncode == 0 and "resumed from" in text, text[-3000:]
+                assert text.count("COCO bbox (IoU") == 1 and "finished at iteration 2" in text, text[-3000:]
