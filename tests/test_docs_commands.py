@@ -105,7 +105,7 @@ RUN: List[Tuple[str, Dict[str, str], List[str]]] = [
     (r"^python tools/infer\.py --config runs/demo/config\.yaml --weights runs/demo/", {}, []),
     (r"^python tools/export\.py --config runs/demo/config\.yaml --weights runs/demo/", {}, []),
     (r"^tensorboard --logdir runs/$", {"--logdir runs/": "--version"}, []),  # a server: its start is checked
-    (r"^python -m detector\.data\.shapes ", {"--train 600 --val 100": "--train 3 --val 2"}, []),
+    (r"^python tools/make_shapes\.py ", {"--train 600 --val 100": "--train 3 --val 2"}, []),
     (r"^python tools/summary\.py --config configs/\S+ model\.num_classes=80( |$)", {}, SMALL_TEST),
     (r"^python tools/summary\.py --config configs/demo_shapes\.yaml", {}, []),
     (r"^python tools/train\.py --config configs/finetune_torchvision_coco\.yaml",
