@@ -39,7 +39,7 @@ PROGRAMS = ("python", "python3", "torchrun", "make", "tensorboard", "pip", "srun
 SHELL_VARS = {"HEAD": "127.0.0.1", "n": "0", "SLURM_NNODES": "2", "SLURM_JOB_ID": "1",
               "SLURM_JOB_NODELIST": "node1", "R50": "", "R": "../shared/data/real/coco2017_16"}
 # Tokens of a usage synopsis that stand for the user's own value.
-PLACEHOLDERS = {"C", "W", "O", "F", "K", "...", "CKPT", "OUT", "H", "dets.json", "instances.json",
+PLACEHOLDERS = {"C", "W", "O", "F", "K", "...", "CKPT", "OUT", "H", "N", "TASK", "dets.json", "instances.json",
                 "instances_val2017.json", "gt.json", "photo.jpg_or_folder", "configs/my_data.yaml"}
 
 
@@ -107,7 +107,6 @@ RUN: List[Tuple[str, Dict[str, str], List[str]]] = [
     (r"^tensorboard --logdir runs/$", {"--logdir runs/": "--version"}, []),  # a server: its start is checked
     (r"^python tools/make_shapes\.py ", {"--train 600 --val 100": "--train 3 --val 2"}, []),
     (r"^python tools/summary\.py --config configs/\S+ model\.num_classes=80( |$)", {}, SMALL_TEST),
-    (r"^python tools/summary\.py --config configs/demo_shapes\.yaml", {}, []),
     (r"^python tools/train\.py --config configs/finetune_torchvision_coco\.yaml",
      {"model.num_classes=K ...": "model.num_classes=3"},
      [*DEMO_SIZES.split(), "data.train.root=runs/shapes_data", "data.val.root=runs/shapes_data",
@@ -124,7 +123,7 @@ NOT_RUN: List[Tuple[str, str]] = [
      "two agents on one machine: run by tests/test_resume_elastic.py::test_two_nodes_train_to_the_end"),
     (r"^torchrun --nproc_per_node=2 tools/train\.py .*train\.dist_backend=gloo", "needs a GPU (tests/test_gpu_dist.py)"),
     (r"/data/VOCdevkit|/data/mine", "the user's data: run on real data by tests/test_own_data.py (realdata)"),
-    (r"tools/benchmark\.py|detector\.benchmark\.|benchmarks[./]",
+    (r"tools/benchmark\.py|detector\.benchmark\.|benchmarks[./]|^python tests/cases\.py ",
      "a measurement of minutes (docs/performance.md); tested by tests/test_benchmark*.py"),
     (r"faster_rcnn_r50_fpn_1x_coco\.yaml --resume|configs/faster_rcnn_r50_fpn_1x_coco\.yaml$",
      "a COCO training run (the COCO download)"),
@@ -183,7 +182,10 @@ def _check_flags_in_help(program: List[str], argv: List[str], where: str) -> Non
 def _parse_tool(argv: List[str], where: str) -> None:
     """``tools/X.py args``: the tool's parser accepts them; the config loads with them."""
     script = Path(argv[0])
-    assert script.parts[0] == "tools" and (ROOT / script).is_file(), f"{where}: no such tool {script}"
+    assert (ROOT / script).is_file(), f"{where}: no such script {script}"
+    if script.parts[0] != "tools" or PLACEHOLDERS & set(argv):  # a generator, or a synopsis
+        _check_flags_in_help([sys.executable, str(ROOT / script)], argv, where)
+        return
     tool = load_tool(script.stem)
     if hasattr(tool, "parse_args"):
         try:

@@ -24,7 +24,7 @@ from detector.modeling.export import (
     require_onnx,
     verify_export,
 )
-from conftest import load_tool
+from conftest import ROOT, load_tool
 from conftest import TINY_CONFIG  # noqa: E402
 
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
