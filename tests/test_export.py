@@ -24,7 +24,7 @@ from detector.modeling.export import (
     require_onnx,
     verify_export,
 )
-from conftest import ROOT, load_tool
+from conftest import load_tool
 from conftest import TINY_CONFIG  # noqa: E402
 
 HAS_ORT = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
@@ -235,12 +235,12 @@ def test_tool_onnx_file_carries_class_names_and_input_sizes(model, tmp_path, cap
 
     weights, out = tmp_path / "w.pth", tmp_path / "model.onnx"
     torch.save(model.state_dict(), weights)
-    cfg = ROOT / "configs" / "tiny_cpu.yaml"
-    argv = ["--config", str(cfg), "--weights", str(weights), "--format", "onnx", "--output", str(out),
+    argv = ["--config", str(TINY_CONFIG), "--weights", str(weights), "--format", "onnx", "--output", str(out),
             "--image-size", "64", "96", *OVERRIDES]
     assert TOOL.main(argv) == 0, capsys.readouterr()
     meta = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"]).get_modelmeta()
     props = meta.custom_metadata_map
     assert json.loads(props["class_names"]) == ["circle", "rectangle", "triangle"] and props["num_classes"] == "3"
-    assert (props["min_size_test"], props["max_size_test"]) == ("128", "224")  # tiny_cpu.yaml's input.*_test
+    sizes = load_config(TINY_CONFIG).input
+    assert (props["min_size_test"], props["max_size_test"]) == (str(sizes.min_size_test), str(sizes.max_size_test))
     assert "uint8" in props["input"]
