@@ -249,7 +249,8 @@ def test_image_ids_above_2_53_stay_apart(tmp_path):
     for ann in gt["annotations"]:
         ann["image_id"] = big_id[ann["image_id"]]
     (tmp_path / "big.json").write_text(json.dumps(gt))
-    big_cfg = load_config(TINY_CONFIG, base + [f"data.val.ann_file={tmp_path / 'big.json'}"])
+    big_cfg = load_config(TINY_CONFIG, base + ["data.format=coco", f"data.val.root={data / 'val'}",
+                                              f"data.val.ann_file={tmp_path / 'big.json'}"])
     big = build_dataset(big_cfg, "val", is_train=False)
     assert big.image_ids == [big_id[i] for i in small.image_ids]
     torch.manual_seed(0)

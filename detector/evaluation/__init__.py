@@ -15,7 +15,8 @@ from .coco import COCO_METRIC_NAMES, CocoEvalResult, coco_evaluate
 from .inference import list_images, predict_files
 from .plots import draw_detections
 from .report import ScoreReport, evaluate, format_table, score_detections, write_json, write_outputs, write_report
-from .results import ResultsError, UnknownImageError, load_ground_truth, load_predictions
+from .eval_files import load_ground_truth, load_predictions
+from .results import ResultsError, UnknownImageError
 from .voc import ap_area, ap_voc07, voc_evaluate
 
 __all__ = [

@@ -38,8 +38,8 @@ from .results import (  # noqa: F401  (UnknownImageError: part of this module's 
     UnknownImageError,
     as_detections,
     check_detection_ids,
-    check_ground_truth,
 )
+from .eval_files import check_ground_truth
 
 logger = logging.getLogger(__name__)
 

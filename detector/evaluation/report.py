@@ -42,7 +42,8 @@ from .coco import COCO_METRIC_NAMES, coco_evaluate
 from .inference import LOSS_NAMES, compute_val_loss, run_inference
 from .iou import confusion_matrix, group_by_image, iou_metrics
 from .plots import plot_confusion_matrix, plot_pr_curves
-from .results import Detections, as_detections, check_detection_ids, check_ground_truth, write_results_file
+from .eval_files import check_ground_truth
+from .results import Detections, as_detections, check_detection_ids, write_results_file
 from .voc import VOCClassResult, mean_ap, voc_evaluate
 
 logger = logging.getLogger(__name__)
