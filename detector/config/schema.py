@@ -248,6 +248,9 @@ class TrainConfig:
     # A training step whose tensor shapes depend on the config only (no host syncs);
     # needs model.canvas_sizes. See detector/modeling/static_forward.py.
     static_step: bool = False
+    # CUDA only: capture the static step with its SGD step in a CUDA graph, with a
+    # device-side non-finite guard (detector/engine/graphed_step.py).
+    cuda_graphs: bool = False
     # DistributedDataParallel settings (more than one rank): gradient bucket size in MiB
     # (torch's default 25) and gradients as views into the buckets (saves one copy).
     ddp_bucket_cap_mb: float = field_(25.0, gt=0)
