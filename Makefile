@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # spinning default makes two-thread torch many times slower (docs/training.md).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-fast demo gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) tools/train.py --config configs/demo_shapes.yaml
+
+# On a GPU machine: GPU tests, static-check and train benchmarks -> gpu-report.json.
+# Without CUDA: one line, exit status 2.
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
