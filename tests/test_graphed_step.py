@@ -8,7 +8,7 @@ import torch
 
 from detector.config import ConfigError, load_config
 from detector.engine.graphed_step import GuardedStaticStep, check_cuda_graphs
-from detector.engine.static_step import StaticForward
+from detector.engine.static_step import StaticForward, static_forward
 from detector.modeling import build_model
 
 from conftest import TINY_CONFIG
@@ -71,6 +71,8 @@ def test_refusals():
     cfg = load_config(TINY_CONFIG, STATIC + ["train.cuda_graphs=true"])
     with pytest.raises(ValueError, match="'train.cuda_graphs' needs a CUDA device, got cpu"):
         check_cuda_graphs(cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match="'train.cuda_graphs' needs a CUDA device, got cpu"):
+        static_forward(cfg, build_model(cfg), world_size=1)
     model = build_model(cfg)
     adam = torch.optim.AdamW(model.parameters(), lr=0.01)
     with pytest.raises(ValueError, match="fused or foreach SGD"):

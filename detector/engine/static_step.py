@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from detector.config import Config
+from detector.engine.graphed_step import check_cuda_graphs
 from detector.modeling.faster_rcnn import FasterRCNN
 from detector.modeling.static_forward import StaticBatch, make_static_batch, static_losses
 
@@ -88,9 +89,15 @@ class StaticForward:
 def static_forward(cfg: Config, model: nn.Module, world_size: int) -> Optional[StaticForward]:
     """The trainer's forward: a compiled ``StaticForward`` when ``train.static_step`` is
     on (one process only: the static forward calls the model's parts directly, past
-    DDP's gradient hooks), else None (the model itself)."""
+    DDP's gradient hooks), else None (the model itself). ``train.cuda_graphs`` is
+    refused in one line (on a CPU; and on CUDA until the trainer runs it)."""
     if not cfg.train.static_step:
         return None
+    device = unwrap(model).device
+    check_cuda_graphs(cfg, device)
+    if cfg.train.cuda_graphs:
+        raise ValueError("config key 'train.cuda_graphs': the trainer does not run the captured step yet "
+                         "(engine.graphed_step.GuardedStaticStep); use train.static_step alone")
     if world_size > 1:
         raise ValueError("config key 'train.static_step' runs on one process for now "
                          f"(got {world_size}): it bypasses DDP's gradient synchronisation")
