@@ -38,6 +38,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .matching import box_iou_batched
+
 # Defaults: exact for every input (max_iters >= block_size, see the module docstring).
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_ITERS = DEFAULT_BLOCK_SIZE
@@ -62,14 +64,10 @@ class StaticNMSResult(NamedTuple):
 
 def pairwise_iou(boxes: Tensor) -> Tensor:
     """``[B, N, 4]`` x1y1x2y2 boxes -> ``[B, N, N]`` IoU, with the arithmetic of
-    torchvision's NMS kernel (``inter / (area_i + area_j - inter)``), so the comparison
-    with the threshold decides as it does."""
-    x1, y1, x2, y2 = boxes.unbind(-1)
-    area = (x2 - x1) * (y2 - y1)
-    w = (torch.minimum(x2[:, :, None], x2[:, None, :]) - torch.maximum(x1[:, :, None], x1[:, None, :])).clamp(min=0)
-    h = (torch.minimum(y2[:, :, None], y2[:, None, :]) - torch.maximum(y1[:, :, None], y1[:, None, :])).clamp(min=0)
-    inter = w * h
-    return inter / (area[:, :, None] + area[:, None, :] - inter)
+    torchvision's NMS kernel (``inter / (area_i + area_j - inter)``, the width and height
+    of the intersection clamped at 0), so the comparison with the threshold decides as
+    it does (``matching.box_iou_batched``: in place, three ``[B, N, N]`` buffers)."""
+    return box_iou_batched(boxes, boxes)
 
 
 def _resolve_block(sup: Tensor, alive: Tensor, max_iters: int) -> tuple[Tensor, Tensor]:
