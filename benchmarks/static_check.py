@@ -124,6 +124,23 @@ def count_host_syncs(forward: StaticForward, batches: List[Batch], model: torch.
     return counter
 
 
+def raise_on_cuda_syncs(forward: StaticForward, batches: List[Batch], model: torch.nn.Module,
+                        device: torch.device) -> None:
+    """On CUDA: the device part of ``forward``'s steps under
+    ``torch.cuda.set_sync_debug_mode("error")`` (a synchronising call raises)."""
+    if device.type != "cuda":
+        return
+    prepared = [forward.batch(*b) for b in batches]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for static_batch in prepared:
+            model.zero_grad(set_to_none=True)
+            losses, _ = forward.losses_fn(static_batch)
+            sum(losses.values()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def count_graph_breaks(forward: StaticForward, batch: Batch) -> int:
     """Graph breaks of the uncompiled static losses (``torch._dynamo.explain``)."""
     sb = forward.batch(*batch)
@@ -145,12 +162,7 @@ def static_check(cfg: Config, num_batches: int = 10, backend: str = "inductor") 
     eager_forward = StaticForward.from_config(model, cfg, compiled=False)
     counter = count_host_syncs(eager_forward, batches, model)
     static_losses, static_times = run_all(lambda b: eager_forward(*b), batches, model, device)
-    if device.type == "cuda":
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            run_all(lambda b: eager_forward(*b), batches[:2], model, device)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    raise_on_cuda_syncs(eager_forward, batches[:2], model, device)
     _, eager_times = run_all(lambda b: model(*b), batches, model, device)
     result = compiled_figures(cfg, model, batches, device, static_losses, backend)
     result.update(host_syncs_per_step=counter.count / len(batches), sync_ops=sorted(set(counter.names)),
@@ -174,6 +186,7 @@ def compiled_figures(cfg: Config, model: torch.nn.Module, batches: List[Batch], 
         eager = StaticForward.from_config(model, cfg, compiled=False)
         return {"graph_breaks": count_graph_breaks(eager, batches[0]), "recompiles": None,
                 "max_loss_rel_diff": None, "compile_s": None, "static_compiled_step_s": None}
+    raise_on_cuda_syncs(forward, batches[:2], model, device)  # compiled, after the warm-up
     graphs = int(counters["stats"]["unique_graphs"])
     diff = max(float(((c[k] - r[k]).abs() / r[k].abs().clamp(min=1e-12)).item())
                for c, r in zip(losses, reference) for k in r)

@@ -51,7 +51,9 @@ def static_roi_losses(roi_heads: ROIHeads, features: List[Tensor], proposals: Te
         gt_boxes: ``[B, G, 4]`` (padding slots hold ``PAD_BOX``); gt_labels: ``[B, G]``
             int64; gt_valid: ``[B, G]`` bool.
     """
-    props = torch.where(proposals_valid[..., None], proposals, proposals.new_tensor(PAD_BOX))
+    # PAD_BOX made on the device (a host-to-device copy could not be captured in a CUDA graph).
+    pad = torch.stack([proposals.new_full((), v) for v in PAD_BOX])
+    props = torch.where(proposals_valid[..., None], proposals, pad)
     rois, labels, reg_targets, valid = roi_heads.sample_padded(props, proposals_valid, gt_boxes, gt_valid, gt_labels)
     x = roi_heads.box_head(static_roi_align(roi_heads.box_roi_pool, features, rois))
     class_logits, box_deltas = roi_heads.box_predictor(x)
