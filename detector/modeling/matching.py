@@ -174,8 +174,7 @@ class Sample(NamedTuple):
     foreground: Tensor
 
 
-def sample_minibatch(labels: Tensor, batch_size: int, positive_fraction: float,
-                     key: Optional[Tensor] = None) -> Sample:
+def sample_minibatch(labels: Tensor, batch_size: int, positive_fraction: float) -> Sample:
     """Sample up to ``batch_size`` candidates, at most ``positive_fraction`` foreground.
 
     Foreground candidates are drawn at random up to ``int(batch_size * positive_fraction)``;
@@ -185,7 +184,6 @@ def sample_minibatch(labels: Tensor, batch_size: int, positive_fraction: float,
     Args:
         labels: ``[N]`` int64 in {1, 0, -1}, or ``[B, N]``: each row is sampled on its
             own (padding candidates of a batch carry -1).
-        key: random keys in [0, 1) of ``labels``' shape; None draws ``torch.rand``.
 
     Returns:
         a ``Sample`` (see there), ``[S]`` or ``[B, S]``.
@@ -193,8 +191,7 @@ def sample_minibatch(labels: Tensor, batch_size: int, positive_fraction: float,
     num = labels.shape[-1]
     slots = min(batch_size, num)
     fg_quota = min(int(batch_size * positive_fraction), num)
-    if key is None:
-        key = torch.rand(labels.shape, device=labels.device)
+    key = torch.rand(labels.shape, device=labels.device)
     is_fg = labels == FOREGROUND
     # Draw the foreground: the fg_quota foreground candidates with the largest keys.
     fg_key = torch.where(is_fg, key, -1.0)

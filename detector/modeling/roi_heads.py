@@ -199,17 +199,16 @@ class ROIHeads(nn.Module):
 
     @torch.no_grad()
     def sample_padded(self, props: Tensor, props_real: Tensor, gt_boxes: Tensor, gt_real: Tensor,
-                      gt_labels: Tensor, key: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                      gt_labels: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """``sample_proposals`` with proposals and ground truth already padded: ``props``
         ``[N, P, 4]`` and ``gt_boxes`` ``[N, G, 4]`` (G >= 1; padding slots hold
-        ``matching.PAD_BOX``), their ``[N, P]`` / ``[N, G]`` bool masks, ``gt_labels``
-        ``[N, G]``; ``key``: the sampler's random keys ``[N, P + G]`` (None: drawn). Every
-        result's shape depends on the inputs' shapes only."""
+        ``matching.PAD_BOX``), their ``[N, P]`` / ``[N, G]`` bool masks and ``gt_labels``
+        ``[N, G]``. Every result's shape depends on the inputs' shapes only."""
         candidates = torch.cat((props, gt_boxes), dim=1)  # [N, M, 4]
         match_labels, matched, _ = match_by_iou(gt_boxes, candidates, self.fg_iou_thresh,
                                                 self.bg_iou_lo, self.bg_iou_hi, gt_valid=gt_real)
         match_labels = torch.where(torch.cat((props_real, gt_real), dim=1), match_labels, IGNORE)
-        sample = sample_minibatch(match_labels, self.batch_size_per_image, self.positive_fraction, key)  # [N, S]
+        sample = sample_minibatch(match_labels, self.batch_size_per_image, self.positive_fraction)  # [N, S]
         boxes = candidates.gather(1, sample.index[:, :, None].expand(-1, -1, 4))
         gt_idx = matched.gather(1, sample.index)
         cls = torch.where(sample.foreground, gt_labels.gather(1, gt_idx), 0)

@@ -241,14 +241,13 @@ class RegionProposalNetwork(nn.Module):
         gt, gt_valid = pad_boxes([t["boxes"] for t in targets])  # [N, G, 4], [N, G]
         return self.padded_losses(anchors, logits, deltas, gt, gt_valid)
 
-    def padded_losses(self, anchors: Tensor, logits: Tensor, deltas: Tensor, gt: Tensor, gt_valid: Tensor,
-                      key: Optional[Tensor] = None) -> Dict[str, Tensor]:
+    def padded_losses(self, anchors: Tensor, logits: Tensor, deltas: Tensor, gt: Tensor,
+                      gt_valid: Tensor) -> Dict[str, Tensor]:
         """``losses`` with the ground truth already padded: ``gt`` ``[N, G, 4]`` (padding
-        slots hold ``matching.PAD_BOX``), ``gt_valid`` ``[N, G]`` bool (G >= 1); ``key``:
-        the sampler's random keys ``[N, T]`` (None: drawn). Shapes depend on the inputs'
-        shapes only (the static step uses it as is)."""
+        slots hold ``matching.PAD_BOX``), ``gt_valid`` ``[N, G]`` bool (G >= 1). Shapes
+        depend on the inputs' shapes only (the static step uses it as is)."""
         labels, matched = self.label_anchors(anchors, gt, gt_valid)  # [N, T]
-        sample = sample_minibatch(labels, self.batch_size_per_image, self.positive_fraction, key)  # [N, S]
+        sample = sample_minibatch(labels, self.batch_size_per_image, self.positive_fraction)  # [N, S]
         idx = sample.index
         valid = sample.valid.to(logits.dtype)
         fg = sample.foreground.to(logits.dtype)
