@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from detector.config import Config
+from detector.config import Config, ConfigError
 from detector.engine.static_step import StaticForward
 from detector.modeling import build_model
 
@@ -151,7 +151,7 @@ def static_check(cfg: Config, num_batches: int = 10, backend: str = "inductor") 
     """The JSON of ``--task static-check`` (see the module docstring); ``backend``:
     ``torch.compile``'s ("aot_eager": the same graphs, no code generation)."""
     if not cfg.train.static_step:
-        raise ValueError("--task static-check needs config key 'train.static_step' true")
+        raise ConfigError("--task static-check needs config key 'train.static_step' true (and model.canvas_sizes)")
     if cfg.model.num_classes is None:
         cfg.model.num_classes = 3
     device = torch.device("cuda" if cfg.train.device == "auto" and torch.cuda.is_available()
@@ -193,3 +193,11 @@ def compiled_figures(cfg: Config, model: torch.nn.Module, batches: List[Batch], 
     return {"graph_breaks": int(sum(counters["graph_break"].values())), "recompiles": max(graphs - 1, 0),
             "max_loss_rel_diff": diff, "compile_s": times[0],
             "static_compiled_step_s": statistics.median(times[1:]) if len(times) > 1 else None}
+
+
+def format_static_check(result: Dict[str, Any]) -> str:
+    """One line of ``static_check``'s figures."""
+    keys = ("graph_breaks", "recompiles", "host_syncs_per_step", "max_loss_rel_diff", "compile_s",
+            "eager_step_s", "static_eager_step_s", "static_compiled_step_s")
+    parts = [f"{k}={result[k]:.4g}" if isinstance(result[k], float) else f"{k}={result[k]}" for k in keys]
+    return f"static-check ({result['device']}, {result['backend']}): " + " ".join(parts)

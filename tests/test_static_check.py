@@ -4,16 +4,18 @@ the sync counter itself counts what it should."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from benchmarks.static_check import SyncCounter, static_check, synthetic_batches
+from benchmarks.static_check import SyncCounter, synthetic_batches
 from detector.config import load_config
 from detector.engine.static_step import StaticForward, static_forward
 from detector.engine.step import TrainStep
 from detector.modeling import build_model
 
-from conftest import TINY_CONFIG
+from conftest import TINY_CONFIG, load_tool
 
 STATIC = ["train.static_step=true", "model.canvas_sizes=[[96,96]]", "data.max_gt_per_image=6"]
 
@@ -37,15 +39,27 @@ def test_sync_counter_sees_the_eager_models_syncs():
     assert counter.count > 0
 
 
-def test_static_step_compiles_as_one_graph_without_syncs():
-    # aot_eager traces the same forward and backward graphs as inductor without code
-    # generation (seconds instead of minutes on a CPU); few NMS iterations keep it small.
-    cfg = load_config(TINY_CONFIG, STATIC + ["rpn.nms_max_iters=4"])
-    out = static_check(cfg, num_batches=10, backend="aot_eager")
+def test_static_check_task_one_graph_without_syncs(tmp_path):
+    # tools/benchmark.py --task static-check on the tiny config. aot_eager traces the same
+    # forward and backward graphs as inductor without code generation (about 8 s of
+    # compilation instead of about 70 s on a CPU); few NMS iterations keep the graph small.
+    out_file = tmp_path / "static.json"
+    rc = load_tool("benchmark").main(["--config", str(TINY_CONFIG), "--task", "static-check", "--iters", "10",
+                                      "--compile-backend", "aot_eager", *STATIC, "rpn.nms_max_iters=4",
+                                      "--json", str(out_file)])
+    assert rc == 0
+    out = json.loads(out_file.read_text())
     assert out["graph_breaks"] == 0
     assert out["recompiles"] == 0
     assert out["host_syncs_per_step"] == 0, out["sync_ops"]
     assert out["max_loss_rel_diff"] < 1e-5
+    assert out["num_batches"] == 10
+
+
+def test_static_check_task_refuses_an_eager_config(capsys):
+    rc = load_tool("benchmark").main(["--config", str(TINY_CONFIG), "--task", "static-check"])
+    assert rc == 1
+    assert "'train.static_step'" in capsys.readouterr().err
 
 
 def test_train_step_runs_the_static_forward():

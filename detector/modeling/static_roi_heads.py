@@ -17,7 +17,7 @@ from torch import Tensor
 from torchvision.ops import roi_align as tv_roi_align
 
 from .matching import PAD_BOX
-from .roi_align import rois_for_kernel
+from ..ops.roi_align import rois_for_kernel
 from .roi_heads import MultiLevelRoIAlign, ROIHeads
 
 
