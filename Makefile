@@ -13,7 +13,7 @@ TORCHVISION ?= 0.29.1
 # spinning default makes two-thread torch many times slower (docs/training.md).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup test test-fast demo clean distclean
+.PHONY: setup test test-fast demo gpu-check clean distclean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(PY) tools/train.py --config configs/demo_shapes.yaml --resume $(ARGS)
 	@echo "next: source $(VENV)/bin/activate, then the README's commands"
+
+# On a GPU machine: GPU tests, static-check and train benchmarks -> gpu-report.json.
+# Without CUDA: one line, exit status 2.
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py
 
 # runs/ and caches; the environment stays (make distclean removes it too).
 clean:

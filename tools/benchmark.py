@@ -8,6 +8,8 @@
     python tools/benchmark.py --config configs/demo_shapes.yaml --task eval   # COCO scoring backends
     python tools/benchmark.py --config configs/demo_shapes.yaml --task scaling   # 1 vs 2 ranks, DDP settings
     python tools/benchmark.py --task time-to-accuracy --json tta.json   # vs torchvision's recipe, demo config
+    python tools/benchmark.py --config configs/demo_shapes.yaml --task static-check train.static_step=true \\
+        "model.canvas_sizes=[[160,160]]" --json static.json   # one graph, no syncs (--iters batches)
 
 Trailing key=value arguments override the config. See docs/performance.md.
 """
@@ -37,6 +39,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import TASKS, format_summary, run_benchmark  # noqa: E402
 from benchmarks.scaling import ScalingSweep  # noqa: E402
+from benchmarks.static_check import format_static_check, static_check  # noqa: E402
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
 
@@ -46,7 +49,7 @@ DEMO_CONFIG = ROOT / "configs" / "demo_shapes.yaml"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (required, except --task time-to-accuracy: default configs/demo_shapes.yaml)")
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--task", required=True, choices=(*TASKS, "static-check"))
     p.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--compare-torchvision", action="store_true", help="also time torchvision's FasterRCNN, alternating")
@@ -69,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-caps", default="1,25,100", help="scaling: ddp_bucket_cap_mb values swept (default 1,25,100)")
     p.add_argument("--bucket-views", default="false,true",
                    help="scaling: ddp_gradient_as_bucket_view values swept (default false,true)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="static-check: torch.compile backend (default inductor; aot_eager: the same graphs, no codegen)")
     p.add_argument("--json", dest="json_out", help="write the full result here")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args(argv)
@@ -100,8 +105,12 @@ def main(argv=None) -> int:
 
 def benchmark(args: argparse.Namespace) -> int:
     """Run the task; print its summary; write the full result to --json if given."""
-    result = _run(args)
-    print(format_summary(result))
+    if args.task == "static-check":  # --iters batches
+        result = static_check(load_config(args.config, args.overrides), args.iters, args.compile_backend)
+        print(format_static_check(result))
+    else:
+        result = _run(args)
+        print(format_summary(result))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=2))

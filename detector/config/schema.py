@@ -100,6 +100,9 @@ class RPNConfig:
     # -1: uniform outside weights 1/num_sampled; p in (0, 1): p/num_pos and (1-p)/num_neg.
     positive_weight: float = -1.0
     box_coder_weights: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0])
+    # Static step (train.static_step): Jacobi iterations per block of the proposal NMS
+    # (modeling/nms.py); >= 32 (the block size) is exact for every input.
+    nms_max_iters: int = field_(32, ge=1, le=100000)
 
 
 @dataclass
@@ -163,6 +166,9 @@ class DataConfig:
     aspect_ratio_grouping: bool = True
     # Repeat-factor sampling threshold (LVIS); 0 disables it.
     repeat_factor_threshold: float = field_(0.0, ge=0, note="(0 disables it)")
+    # Static step (train.static_step): ground-truth slots per image; an image with more
+    # boxes trains on its first ones, with a log line naming it.
+    max_gt_per_image: int = field_(100, ge=1, le=100000)
 
 
 @dataclass
@@ -241,6 +247,12 @@ class TrainConfig:
     channels_last: bool = False
     cudnn_benchmark: bool = False
     compile_backbone: bool = False
+    # A training step whose tensor shapes depend on the config only (no host syncs);
+    # needs model.canvas_sizes. See detector/modeling/static_forward.py.
+    static_step: bool = False
+    # CUDA only: capture the static step with its SGD step in a CUDA graph, with a
+    # device-side non-finite guard (detector/engine/graphed_step.py).
+    cuda_graphs: bool = False
     # DistributedDataParallel settings (more than one rank): gradient bucket size in MiB
     # (torch's default 25) and gradients as views into the buckets (saves one copy).
     ddp_bucket_cap_mb: float = field_(25.0, gt=0)

@@ -232,6 +232,10 @@ def _check_model_keys(cfg: Config) -> None:
             "config key 'train.compile_backbone' needs 'model.canvas_sizes' (fixed batch shapes): without them every "
             "new batch size recompiles, measured slower than eager on the CPU and on an H100 (docs/performance.md)"
         )
+    if cfg.train.static_step and not model.canvas_sizes:
+        raise ConfigError("config key 'train.static_step' needs 'model.canvas_sizes' (the static step's batch shapes)")
+    if cfg.train.cuda_graphs and not cfg.train.static_step:
+        raise ConfigError("config key 'train.cuda_graphs' needs 'train.static_step: true'")
     if not model.return_stages or any(s not in (1, 2, 3, 4) for s in model.return_stages):
         raise ConfigError(f"config key 'model.return_stages' takes stages from 1..4, got {model.return_stages}")
     n_levels = len(model.return_stages) + 1  # + the max-pool level

@@ -17,7 +17,7 @@ the optimizer, the scheduler and the AMP settings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,8 @@ class TrainStep:
         world_size: processes in the default process group (> 1: the flags are all-reduced).
         scaler: a GradScaler to use (e.g. restored from a checkpoint); by default one is
             made, enabled for float16 AMP only.
+        forward: ``forward(images, targets) -> losses`` used instead of ``model`` (the
+            static step: ``engine.static_step.StaticForward``); None calls ``model``.
     """
 
     def __init__(
@@ -80,8 +82,10 @@ class TrainStep:
         clip_grad_norm: float = 0.0,
         world_size: int = 1,
         scaler: Optional[torch.amp.GradScaler] = None,
+        forward: Optional[Callable[[List[Tensor], List[Dict[str, Any]]], Dict[str, Tensor]]] = None,
     ) -> None:
         self.model = model
+        self.forward = forward if forward is not None else model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.amp = amp
@@ -100,7 +104,7 @@ class TrainStep:
         ``targets`` (dicts with ``boxes`` ``[N, 4]`` xyxy pixels and ``labels`` ``[N]``)."""
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type=self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled):
-            loss_dict = self.model(images, targets)
+            loss_dict = self.forward(images, targets)
         names = sorted(loss_dict)
         parts = torch.stack([loss_dict[k].float() for k in names])  # losses summed in float32
         total = parts.sum()

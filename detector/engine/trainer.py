@@ -43,6 +43,7 @@ from detector.engine.log import EventWriters, JSONLWriter, TensorBoardWriter
 from detector.engine.optim import build_lr_scheduler, build_optimizer
 from detector.engine.run_folder import RunFolder
 from detector.engine.setup import configure_torch, prepare_model
+from detector.engine.static_step import static_forward
 from detector.engine.step import TrainStep
 from detector.engine.train_loop import HookBase, LoopState, Trainer, TrainResult
 from detector.messages import first_line
@@ -108,7 +109,8 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     model, model_without_ddp = prepare_model(model, cfg, dist.device, dist.world_size)
     optimizer = build_optimizer(model, cfg, dist.world_size)
     scheduler = build_lr_scheduler(optimizer, cfg)
-    step = TrainStep(model, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, dist.world_size)
+    step = TrainStep(model, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, dist.world_size,
+                     forward=static_forward(cfg, model_without_ddp, dist.world_size))
     loader = build_train_loader(cfg, train_set, dist.rank, dist.world_size)
 
     state = LoopState(max_iter=cfg.solver.max_iter)

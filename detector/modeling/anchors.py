@@ -64,7 +64,8 @@ class AnchorGenerator(nn.Module):
                      device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
         """``[H * W * A, 4]`` anchors of one level (cached; not while tracing for export,
         where the sizes and strides are 0-dim tensors that stay in the traced graph)."""
-        tracing = torch.jit.is_tracing()
+        # Not cached while tracing or compiling: the grid then belongs to the graph.
+        tracing = torch.jit.is_tracing() or torch.compiler.is_compiling()
         key = (level, feature_size, stride, device, dtype)
         anchors = None if tracing else self._cache.get(key)
         if anchors is None:

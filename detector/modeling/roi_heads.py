@@ -195,6 +195,15 @@ class ROIHeads(nn.Module):
         props, props_real = pad_boxes(proposals)  # [N, P, 4]
         gt_boxes, gt_real = pad_boxes([t["boxes"].to(props.dtype) for t in targets])  # [N, G, 4]
         gt_labels = pad_rows([t["labels"] for t in targets], gt_boxes.shape[1], 0)  # [N, G]
+        return self.sample_padded(props, props_real, gt_boxes, gt_real, gt_labels)
+
+    @torch.no_grad()
+    def sample_padded(self, props: Tensor, props_real: Tensor, gt_boxes: Tensor, gt_real: Tensor,
+                      gt_labels: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``sample_proposals`` with proposals and ground truth already padded: ``props``
+        ``[N, P, 4]`` and ``gt_boxes`` ``[N, G, 4]`` (G >= 1; padding slots hold
+        ``matching.PAD_BOX``), their ``[N, P]`` / ``[N, G]`` bool masks and ``gt_labels``
+        ``[N, G]``. Every result's shape depends on the inputs' shapes only."""
         candidates = torch.cat((props, gt_boxes), dim=1)  # [N, M, 4]
         match_labels, matched, _ = match_by_iou(gt_boxes, candidates, self.fg_iou_thresh,
                                                 self.bg_iou_lo, self.bg_iou_hi, gt_valid=gt_real)

@@ -239,6 +239,13 @@ class RegionProposalNetwork(nn.Module):
             targets: per image ``boxes`` ``[G, 4]``.
         """
         gt, gt_valid = pad_boxes([t["boxes"] for t in targets])  # [N, G, 4], [N, G]
+        return self.padded_losses(anchors, logits, deltas, gt, gt_valid)
+
+    def padded_losses(self, anchors: Tensor, logits: Tensor, deltas: Tensor, gt: Tensor,
+                      gt_valid: Tensor) -> Dict[str, Tensor]:
+        """``losses`` with the ground truth already padded: ``gt`` ``[N, G, 4]`` (padding
+        slots hold ``matching.PAD_BOX``), ``gt_valid`` ``[N, G]`` bool (G >= 1). Shapes
+        depend on the inputs' shapes only (the static step uses it as is)."""
         labels, matched = self.label_anchors(anchors, gt, gt_valid)  # [N, T]
         sample = sample_minibatch(labels, self.batch_size_per_image, self.positive_fraction)  # [N, S]
         idx = sample.index
@@ -254,7 +261,7 @@ class RegionProposalNetwork(nn.Module):
         outside = rpn_outside_weights(sample, self.positive_weight)[:, :, None].expand(-1, -1, 4)
         sampled_deltas = deltas.gather(1, idx[:, :, None].expand(-1, -1, 4))
         loss_box = weighted_smooth_l1(sampled_deltas, reg_targets, inside, outside, self.sigma)
-        n = max(len(targets), 1)
+        n = max(gt.shape[0], 1)
         return {"loss_rpn_cls": loss_cls / n, "loss_rpn_box": loss_box / n}
 
     # ------------------------------------------------------------------ forward

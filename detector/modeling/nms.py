@@ -1,0 +1,169 @@
+"""Greedy NMS with fixed shapes and no host synchronisation: ``static_nms``.
+
+``torchvision.ops.nms`` returns an index list whose length depends on the data, and
+its CUDA kernel copies a mask to the host. ``static_nms`` selects exactly the same
+boxes, in the same order, as a fixed-size padded index tensor plus a validity mask,
+using tensor operations only (no ``.item()``, ``nonzero`` or boolean indexing), so a
+training step that uses it compiles as one graph and can be captured in a CUDA graph.
+
+Method (a blocked Cluster-NMS, Zheng et al. 2021). Boxes are sorted by decreasing
+score with a stable sort (ties keep the lower input index first: torchvision's CPU
+order). ``S[i, j]`` (``i < j`` in that order) says that box ``i`` suppresses box ``j``
+(IoU > threshold, computed with torchvision's arithmetic). Greedy NMS keeps box ``j``
+iff no kept box ``i < j`` has ``S[i, j]``: the unique fixed point of
+``keep = f(keep)``, ``f(k)[j] = not any_i (k[i] and S[i, j])``. The sorted boxes are cut
+into blocks of ``block_size``, resolved in order:
+
+1. propagation: the block's boxes that a kept box of an earlier (final) block
+   suppresses are dropped (one masked ``any`` over the earlier boxes);
+2. resolution: ``max_iters`` Jacobi iterations of ``f`` restricted to the block,
+   started from "all alive". Iterate t is exact for every box whose chain of
+   suppressions inside the block is shorter than t, so ``max_iters >= block_size``
+   is exact for every input; fewer iterations are exact whenever the block's
+   suppression chains are short (the usual case), and a block that has not reached
+   the fixed point is reported in ``unconverged``.
+
+Cost, for N boxes per image: the IoU matrix (``N^2`` floats per image), then
+``ceil(N / block_size) * (1 + max_iters)`` small sequential steps of
+``O(block_size^2)`` (resolution) and ``O(N * block_size)`` (propagation) work per image.
+Greedy NMS is inherently sequential (its worst case, a chain of boxes each suppressing
+only the next, needs N decisions in order), so the exact default has about N
+sequential steps; lowering ``max_iters`` trades that for the ``unconverged`` check.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .matching import box_iou_batched
+
+# Defaults: exact for every input (max_iters >= block_size, see the module docstring).
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_MAX_ITERS = DEFAULT_BLOCK_SIZE
+
+
+class StaticNMSResult(NamedTuple):
+    """``static_nms``'s result for B images.
+
+    Attributes:
+        keep: ``[B, max_out]`` int64 indices into the input boxes, in greedy NMS's order
+            (decreasing score); padding slots hold 0.
+        valid: ``[B, max_out]`` bool, True on the kept boxes (a prefix of each row).
+        unconverged: ``[B]`` bool on the device: some block of the image did not reach
+            the fixed point within ``max_iters`` (the result may then differ from greedy
+            NMS). Read it at logging points only.
+    """
+
+    keep: Tensor
+    valid: Tensor
+    unconverged: Tensor
+
+
+def pairwise_iou(boxes: Tensor) -> Tensor:
+    """``[B, N, 4]`` x1y1x2y2 boxes -> ``[B, N, N]`` IoU, with the arithmetic of
+    torchvision's NMS kernel (``inter / (area_i + area_j - inter)``, the width and height
+    of the intersection clamped at 0), so the comparison with the threshold decides as
+    it does (``matching.box_iou_batched``: in place, three ``[B, N, N]`` buffers)."""
+    return box_iou_batched(boxes, boxes)
+
+
+def _resolve_block(sup: Tensor, alive: Tensor, max_iters: int) -> tuple[Tensor, Tensor]:
+    """Greedy NMS inside one block by Jacobi iterations.
+
+    Args:
+        sup: ``[B, K, K]`` bool, ``sup[b, i, j]``: box i suppresses box j (i < j only).
+        alive: ``[B, K]`` bool, boxes not yet suppressed from outside the block.
+
+    Returns:
+        kept ``[B, K]`` bool and ``[B]`` bool "not at the fixed point".
+    """
+    sup = sup & alive[:, :, None]
+    keep = alive
+    for _ in range(max_iters):
+        keep = alive & ~(sup & keep[:, :, None]).any(dim=1)
+    again = alive & ~(sup & keep[:, :, None]).any(dim=1)
+    return keep, (again != keep).any(dim=1)
+
+
+def _greedy_keep(boxes: Tensor, valid: Tensor, iou_threshold: float, block_size: int,
+                 max_iters: int) -> tuple[Tensor, Tensor]:
+    """Greedy NMS's keep mask ``[B, N]`` bool for boxes already sorted by decreasing
+    score (``valid`` ``[B, N]``: False boxes are neither kept nor suppress), and ``[B]``
+    bool "some block did not converge"."""
+    num = boxes.shape[1]
+    order = torch.arange(num, device=boxes.device)
+    upper = order[:, None] < order[None, :]  # i before j
+    sup = (pairwise_iou(boxes) > iou_threshold) & upper & valid[:, :, None]  # [B, N, N]
+    kept_blocks = []
+    unconverged = torch.zeros(boxes.shape[0], dtype=torch.bool, device=boxes.device)
+    for start in range(0, num, block_size):
+        stop = min(start + block_size, num)
+        alive = valid[:, start:stop]
+        if start > 0:
+            before = torch.cat(kept_blocks, dim=1)  # [B, start], final
+            alive = alive & ~(sup[:, :start, start:stop] & before[:, :, None]).any(dim=1)
+        kept, bad = _resolve_block(sup[:, start:stop, start:stop], alive, max_iters)
+        kept_blocks.append(kept)
+        unconverged = unconverged | bad
+    if not kept_blocks:
+        return valid, unconverged
+    return torch.cat(kept_blocks, dim=1), unconverged
+
+
+def static_nms(
+    boxes: Tensor,
+    scores: Tensor,
+    iou_threshold: float,
+    max_out: int,
+    max_iters: int = DEFAULT_MAX_ITERS,
+    valid: Optional[Tensor] = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> StaticNMSResult:
+    """Greedy NMS of each image's boxes with fixed-size, padded output.
+
+    Selects what ``torchvision.ops.nms(boxes[b][valid[b]], scores[b][valid[b]],
+    iou_threshold)[:max_out]`` selects (as indices into ``boxes[b]``), in the same
+    order; exact when ``max_iters >= block_size`` (the default), see the module
+    docstring.
+
+    Args:
+        boxes: ``[B, N, 4]`` x1y1x2y2, finite on valid entries.
+        scores: ``[B, N]``.
+        iou_threshold: a box is suppressed by a kept box with IoU > this.
+        max_out: slots per image in the result.
+        max_iters: Jacobi iterations per block (>= 1).
+        valid: ``[B, N]`` bool, entries to consider (None: all).
+        block_size: boxes per block (>= 1).
+
+    Returns:
+        ``StaticNMSResult`` (keep ``[B, max_out]`` int64, valid ``[B, max_out]`` bool,
+        unconverged ``[B]`` bool).
+    """
+    if max_iters < 1 or block_size < 1 or max_out < 0:
+        raise ValueError(f"static_nms needs max_iters >= 1, block_size >= 1 and max_out >= 0, "
+                         f"got {max_iters}, {block_size}, {max_out}")
+    num_images, num = scores.shape
+    device = scores.device
+    if valid is None:
+        valid = torch.ones(num_images, num, dtype=torch.bool, device=device)
+    # Invalid entries go last; ties in score keep the input order (stable sort).
+    key = torch.where(valid, scores.float(), float("-inf"))
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices  # [B, N]
+    sorted_valid = valid.gather(1, order)
+    sorted_boxes = boxes.float().gather(1, order[:, :, None].expand(-1, -1, 4))
+    keep_sorted, unconverged = _greedy_keep(sorted_boxes, sorted_valid, iou_threshold, block_size, max_iters)
+    # The kept boxes first, in sorted order: rank = position among the kept.
+    slots = min(max_out, num)
+    rank_key = torch.where(keep_sorted, num - torch.arange(num, device=device), 0)
+    top, pos = rank_key.topk(slots, dim=1) if slots > 0 else (rank_key[:, :0], rank_key[:, :0])
+    keep = order.gather(1, pos)
+    ok = top > 0
+    keep = torch.where(ok, keep, 0)
+    if slots < max_out:
+        pad = max_out - slots
+        keep = torch.cat((keep, keep.new_zeros(num_images, pad)), dim=1)
+        ok = torch.cat((ok, ok.new_zeros(num_images, pad)), dim=1)
+    return StaticNMSResult(keep, ok, unconverged)

@@ -1,0 +1,60 @@
+"""The ROI heads' training losses with fixed shapes and no host synchronisation.
+
+``static_roi_losses`` is ``ROIHeads.forward`` in training for padded proposals and
+ground truth: the same sampling (``ROIHeads.sample_padded``), the same losses and
+normalisation (``ROIHeads.losses``). The multi-level RoIAlign pools every RoI on every
+level with torchvision's kernel and keeps each RoI's own level (``static_roi_align``):
+the eager pooler groups RoIs by level, whose group sizes are data. That costs one
+RoIAlign per pooled level instead of one in all, with the same values per RoI.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from torch import Tensor
+from torchvision.ops import roi_align as tv_roi_align
+
+from .matching import PAD_BOX
+from ..ops.roi_align import rois_for_kernel
+from .roi_heads import MultiLevelRoIAlign, ROIHeads
+
+
+def static_roi_align(pooler: MultiLevelRoIAlign, features: List[Tensor], boxes: Tensor) -> Tensor:
+    """``pooler(features, boxes)`` with fixed shapes: ``boxes`` ``[B, S, 4]`` ->
+    ``[B * S, C, R, R]`` (RoI-major, image by image), each RoI pooled on its level with
+    torchvision's ``roi_align`` (values equal to the eager pooler's)."""
+    concat = boxes.reshape(-1, 4)
+    batch_idx = torch.arange(boxes.shape[0], dtype=concat.dtype, device=concat.device)
+    rois = torch.cat((batch_idx.repeat_interleave(boxes.shape[1])[:, None], concat), dim=1)  # [R, 5]
+    if len(features) == 1:
+        return tv_roi_align(features[0], rois_for_kernel(rois, features[0]), pooler.output_size, pooler.scales[0],
+                            pooler.sampling_ratio, pooler.aligned)
+    levels = pooler.level_of(concat)  # [R]
+    out = None
+    for level, (feat, scale) in enumerate(zip(features, pooler.scales)):
+        pooled = tv_roi_align(feat, rois_for_kernel(rois, feat), pooler.output_size, scale, pooler.sampling_ratio,
+                              pooler.aligned)
+        mine = (levels == level)[:, None, None, None]
+        out = torch.where(mine, pooled, 0.0 if out is None else out)
+    return out
+
+
+def static_roi_losses(roi_heads: ROIHeads, features: List[Tensor], proposals: Tensor, proposals_valid: Tensor,
+                      gt_boxes: Tensor, gt_labels: Tensor, gt_valid: Tensor) -> Dict[str, Tensor]:
+    """``loss_roi_cls`` and ``loss_roi_box`` for padded inputs.
+
+    Args:
+        features: the pooled levels, ``[B, C, H_l, W_l]`` each.
+        proposals: ``[B, P, 4]``; proposals_valid: ``[B, P]`` bool.
+        gt_boxes: ``[B, G, 4]`` (padding slots hold ``PAD_BOX``); gt_labels: ``[B, G]``
+            int64; gt_valid: ``[B, G]`` bool.
+    """
+    # PAD_BOX made on the device (a host-to-device copy could not be captured in a CUDA graph).
+    pad = torch.stack([proposals.new_full((), v) for v in PAD_BOX])
+    props = torch.where(proposals_valid[..., None], proposals, pad)
+    rois, labels, reg_targets, valid = roi_heads.sample_padded(props, proposals_valid, gt_boxes, gt_valid, gt_labels)
+    x = roi_heads.box_head(static_roi_align(roi_heads.box_roi_pool, features, rois))
+    class_logits, box_deltas = roi_heads.box_predictor(x)
+    return roi_heads.losses(class_logits, box_deltas, labels, reg_targets, valid)

@@ -1,0 +1,79 @@
+"""``GuardedStaticStep``: a non-finite step changes nothing (parameters, BatchNorm
+buffers, momentum) and is counted on the device; refusals; CUDA-graph capture (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detector.config import ConfigError, load_config
+from detector.engine.graphed_step import GuardedStaticStep, check_cuda_graphs
+from detector.engine.static_step import StaticForward, static_forward
+from detector.modeling import build_model
+
+from conftest import TINY_CONFIG
+from test_static_step import random_batch
+
+STATIC = ["train.static_step=true", "model.canvas_sizes=[[96,96]]", "data.max_gt_per_image=6"]
+
+
+def setup(device: str = "cpu", capture: bool = False):
+    cfg = load_config(TINY_CONFIG, STATIC + [f"train.device={device}"])
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device).train()
+    forward = StaticForward.from_config(model, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4, fused=True)
+    return model, forward, opt, GuardedStaticStep(model, forward.losses_fn, opt, capture=capture)
+
+
+def snapshot(model, opt):
+    state = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+    return state + [s["momentum_buffer"].clone() for s in opt.state.values()]
+
+
+def assert_unchanged(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def run_guard(device: str, capture: bool):
+    model, forward, opt, step = setup(device, capture)
+    good = [forward.batch(*random_batch(s)) for s in (1, 2, 3)]
+    losses, _ = step(good[0])
+    assert torch.isfinite(losses).all() and step.loss_names[0] == "total_loss"
+    before = snapshot(model, opt)
+    bad = good[1]._replace(images=torch.full_like(good[1].images, float("nan")))
+    losses, _ = step(bad)
+    assert not torch.isfinite(losses[0])
+    assert_unchanged(before, snapshot(model, opt))
+    assert float(step.nonfinite_steps) == 1.0
+    step(good[2])
+    after = snapshot(model, opt)
+    assert not torch.equal(before[0], after[0])  # a finite step updates again
+    assert float(step.nonfinite_steps) == 1.0
+
+
+def test_a_nonfinite_step_changes_nothing_and_is_counted():
+    run_guard("cpu", capture=False)
+
+
+@pytest.mark.gpu
+def test_captured_step_guards_on_the_device():
+    run_guard("cuda", capture=True)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="'train.cuda_graphs' needs a CUDA device"):
+        setup("cpu", capture=True)
+    with pytest.raises(ConfigError, match="'train.cuda_graphs' needs 'train.static_step: true'"):
+        load_config(TINY_CONFIG, ["train.cuda_graphs=true"])
+    cfg = load_config(TINY_CONFIG, STATIC + ["train.cuda_graphs=true"])
+    with pytest.raises(ValueError, match="'train.cuda_graphs' needs a CUDA device, got cpu"):
+        check_cuda_graphs(cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match="'train.cuda_graphs' needs a CUDA device, got cpu"):
+        static_forward(cfg, build_model(cfg), world_size=1)
+    model = build_model(cfg)
+    adam = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match="fused or foreach SGD"):
+        GuardedStaticStep(model, StaticForward.from_config(model, cfg).losses_fn, adam)

@@ -1,0 +1,120 @@
+"""``static_nms`` against ``torchvision.ops.nms``: the same boxes in the same order,
+padded, on random sets, ties, identical boxes, empty inputs, all-suppressed sets,
+long suppression chains and 3000-box clustered sets."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import pytest
+import torch
+from torchvision.ops import nms
+
+from detector.modeling.nms import static_nms
+
+
+def reference(boxes: torch.Tensor, scores: torch.Tensor, thr: float, max_out: int,
+              valid: Optional[torch.Tensor] = None) -> List[List[int]]:
+    """torchvision's keep list per image, as indices into the full (unfiltered) row."""
+    out = []
+    for b in range(boxes.shape[0]):
+        idx = torch.arange(boxes.shape[1]) if valid is None else torch.where(valid[b])[0]
+        out.append(idx[nms(boxes[b, idx], scores[b, idx], thr)][:max_out].tolist())
+    return out
+
+
+def ours(boxes, scores, thr, max_out, valid=None, **kw) -> List[List[int]]:
+    res = static_nms(boxes, scores, thr, max_out, valid=valid, **kw)
+    assert res.keep.shape == (boxes.shape[0], max_out) and res.keep.dtype == torch.int64
+    assert res.valid.shape == (boxes.shape[0], max_out) and res.valid.dtype == torch.bool
+    # valid is a prefix of each row; padding holds 0
+    assert torch.equal(res.valid, res.valid.cummin(dim=1).values)
+    assert (res.keep[~res.valid] == 0).all()
+    return [k[v].tolist() for k, v in zip(res.keep, res.valid)]
+
+
+def random_boxes(gen: torch.Generator, batch: int, num: int, spread: float = 100.0, size: float = 30.0):
+    xy = torch.rand(batch, num, 2, generator=gen) * spread
+    wh = torch.rand(batch, num, 2, generator=gen) * size + 1.0
+    return torch.cat((xy, xy + wh), dim=-1)
+
+
+def chain(num: int, step: float, width: float = 10.0) -> torch.Tensor:
+    """Boxes shifted by ``step`` along x: each overlaps its neighbours; ``[1, num, 4]``."""
+    x = torch.arange(num, dtype=torch.float32) * step
+    return torch.stack((x, torch.zeros(num), x + width, torch.full((num,), width)), dim=1)[None]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_sets_match_torchvision(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num = int(torch.randint(1, 400, (1,), generator=gen))
+    boxes = random_boxes(gen, 3, num)
+    if seed % 3 == 0:  # ties: few distinct scores
+        scores = torch.randint(0, 4, (3, num), generator=gen).float()
+    else:
+        scores = torch.rand(3, num, generator=gen)
+    valid = torch.rand(3, num, generator=gen) > 0.2 if seed % 2 else None
+    thr = [0.3, 0.5, 0.7][seed % 3]
+    for max_out in (num, 17, num + 5):
+        assert ours(boxes, scores, thr, max_out, valid) == reference(boxes, scores, thr, max_out, valid)
+
+
+def test_identical_boxes_and_equal_scores_keep_the_first():
+    boxes = torch.tensor([[[0, 0, 10, 10], [20, 20, 30, 30], [0, 0, 10, 10], [0, 0, 10, 10.0]]])
+    scores = torch.full((1, 4), 0.5)
+    assert ours(boxes, scores, 0.5, 4) == reference(boxes, scores, 0.5, 4) == [[0, 1]]
+
+
+def test_empty_inputs():
+    res = static_nms(torch.zeros(2, 0, 4), torch.zeros(2, 0), 0.5, 3)
+    assert res.keep.shape == (2, 3) and not res.valid.any() and not res.unconverged.any()
+    boxes = random_boxes(torch.Generator().manual_seed(0), 2, 5)
+    res = static_nms(boxes, torch.rand(2, 5), 0.5, 3, valid=torch.zeros(2, 5, dtype=torch.bool))
+    assert not res.valid.any()
+
+
+def test_all_suppressed_but_one():
+    boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0]]).repeat(1, 50, 1) + torch.rand(1, 50, 1) * 0.01
+    scores = torch.rand(1, 50)
+    assert ours(boxes, scores, 0.5, 10) == reference(boxes, scores, 0.5, 10)
+    assert len(ours(boxes, scores, 0.5, 10)[0]) == 1
+
+
+@pytest.mark.parametrize("num", [100, 3000])
+def test_long_chain_is_exact_with_the_default_bound(num):
+    # step 1.0 on width 10: IoU with the next box 9/11 > 0.7, with the one after 8/12 < 0.7:
+    # greedy keeps every other box, a decision that travels along the whole chain.
+    boxes = chain(num, 1.0)
+    scores = torch.linspace(1.0, 0.0, num)[None]
+    want = reference(boxes, scores, 0.7, num)
+    assert want[0] == list(range(0, num, 2))
+    res = static_nms(boxes, scores, 0.7, num)
+    assert [res.keep[0][res.valid[0]].tolist()] == want
+    assert not res.unconverged.any()
+
+
+def test_too_few_iterations_are_reported():
+    boxes = chain(64, 1.0)
+    scores = torch.linspace(1.0, 0.0, 64)[None]
+    res = static_nms(boxes, scores, 0.7, 64, max_iters=4, block_size=64)
+    assert res.unconverged.all()
+    res = static_nms(boxes, scores, 0.7, 64, max_iters=64, block_size=64)
+    assert not res.unconverged.any()
+
+
+def test_3000_clustered_boxes_match_torchvision():
+    gen = torch.Generator().manual_seed(7)
+    centres = torch.rand(2, 30, 1, 2, generator=gen) * 500
+    jitter = torch.randn(2, 30, 100, 2, generator=gen) * 4
+    xy = (centres + jitter).reshape(2, 3000, 2)
+    wh = (torch.rand(2, 30, 1, 2, generator=gen) * 80 + 20 + torch.randn(2, 30, 100, 2, generator=gen) * 3)
+    boxes = torch.cat((xy, xy + wh.reshape(2, 3000, 2).clamp(min=2)), dim=-1)
+    scores = torch.rand(2, 3000, generator=gen)
+    for thr in (0.5, 0.7):
+        assert ours(boxes, scores, thr, 2000) == reference(boxes, scores, thr, 2000)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="max_iters"):
+        static_nms(torch.zeros(1, 2, 4), torch.zeros(1, 2), 0.5, 2, max_iters=0)
