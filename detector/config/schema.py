@@ -172,6 +172,30 @@ class DataConfig:
 
 
 @dataclass
+class LSJConfig:
+    # Large-scale jitter (training): the image is resized so that it fits a size x size
+    # square, times a scale drawn uniformly from [min_scale, max_scale], then randomly
+    # cropped / padded (bottom-right, zeros) to size x size. Replaces the
+    # min_size_train / max_size_train resize when enabled. (detector.data.transforms)
+    enabled: bool = False
+    min_scale: float = field_(0.1, gt=0, le=10)
+    max_scale: float = field_(2.0, gt=0, le=10)
+    size: int = field_(1024, ge=1)  # pixels
+
+
+@dataclass
+class CopyPasteConfig:
+    # Copy-paste (training): with probability prob, up to max_objects boxes of another
+    # training image (box regions: there are no masks) are pasted onto the sample; an
+    # original box with less than min_visible of its area left is dropped, a partly
+    # covered one shrinks to its visible part. (detector.data.copy_paste)
+    enabled: bool = False
+    prob: float = field_(0.5, ge=0, le=1)
+    max_objects: int = field_(10, ge=1)
+    min_visible: float = field_(0.3, gt=0, le=1)
+
+
+@dataclass
 class InputConfig:
     # Shorter side drawn from these values in training; longer side capped at max_size.
     min_size_train: List[int] = field(default_factory=lambda: [800])
@@ -180,6 +204,8 @@ class InputConfig:
     max_size_test: int = field_(1333, ge=1)
     hflip_prob: float = field_(0.5, ge=0, le=1)
     color_jitter: bool = False
+    lsj: LSJConfig = field(default_factory=LSJConfig)
+    copy_paste: CopyPasteConfig = field(default_factory=CopyPasteConfig)
 
 
 @dataclass

@@ -264,6 +264,10 @@ def _check_recipe_keys(cfg: Config) -> None:
         )
     if not cfg.input.min_size_train or any(s < 1 for s in cfg.input.min_size_train):
         raise ConfigError(f"config key 'input.min_size_train' needs at least one size >= 1, got {cfg.input.min_size_train}")
+    lsj = cfg.input.lsj
+    if lsj.min_scale > lsj.max_scale:
+        raise ConfigError(f"config key 'input.lsj.min_scale' ({lsj.min_scale}) must be <= input.lsj.max_scale "
+                          f"({lsj.max_scale})")
     if any(s < 1 for s in cfg.solver.steps):
         raise ConfigError(f"config key 'solver.steps' takes iterations >= 1, got {cfg.solver.steps}")
     if len(cfg.solver.betas) != 2 or not all(0 <= b < 1 for b in cfg.solver.betas):

@@ -17,7 +17,8 @@ from .dataset import DetectionDataset
 from .files import DataError
 from .schema import raise_error, read_coco
 from .shapes import CLASS_NAMES as SHAPES_CLASS_NAMES, ensure_shapes
-from .transforms import build_transforms
+from .copy_paste import DatasetSource
+from .transforms import DetectionTransform, build_transforms
 from .voc import VOC_CLASSES, VOCDetection
 
 
@@ -117,18 +118,27 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
         dataset: DetectionDataset = CocoDetection(sc.root, sc.ann_file, transforms=transforms, filter_empty=filter_empty,
                                                   use_difficult=data.use_difficult, class_names=names,
                                                   label_space=data.label_space)
-        return _check_first_images(dataset, f"data.{split}.root")
+        return _with_paste_source(_check_first_images(dataset, f"data.{split}.root"))
     if data.format == "voc":
         dataset = VOCDetection(sc.root, sc.split or split, class_names=names, transforms=transforms,
                                filter_empty=filter_empty, use_difficult=data.use_difficult, require_every_class=is_train)
-        return _check_first_images(dataset, f"data.{split}.root")
+        return _with_paste_source(_check_first_images(dataset, f"data.{split}.root"))
     s = data.shapes
     root = ensure_shapes(sc.root, s.num_train, s.num_val, s.seed, s.min_side, s.max_side)
     name = sc.split or split
     # Each format reads its own keys only: a shapes folder's annotations are <root>/<split>.json,
     # whatever data.<split>.ann_file (a COCO key, e.g. inherited from a COCO base config) says.
-    return CocoDetection(Path(root) / name, Path(root) / f"{name}.json", transforms=transforms, filter_empty=filter_empty,
-                         use_difficult=data.use_difficult, class_names=names, label_space=data.label_space)
+    return _with_paste_source(CocoDetection(Path(root) / name, Path(root) / f"{name}.json", transforms=transforms,
+                                            filter_empty=filter_empty, use_difficult=data.use_difficult,
+                                            class_names=names, label_space=data.label_space))
+
+
+def _with_paste_source(dataset: DetectionDataset) -> DetectionDataset:
+    """Copy-paste (``input.copy_paste``) takes its partner images from the data set itself."""
+    transforms = dataset.transforms
+    if isinstance(transforms, DetectionTransform) and transforms.copy_paste is not None:
+        transforms.set_source(DatasetSource(dataset), len(dataset))
+    return dataset
 
 
 def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Tuple[int, str]:
