@@ -76,3 +76,91 @@ def test_pr_plot_is_readable_at_3_20_80_classes(tmp_path, num_classes):
     # (about 210 x 190 px per panel), so labels keep their size.
     cols = int(np.ceil(np.sqrt(len(curves))))
     assert w >= (900 if len(curves) <= 10 else 200 * cols)
+
+
+def test_class_colours_are_distinct_and_stable_at_80_classes():
+    from detector.evaluation.palette import class_color, palette
+
+    colors = np.array([class_color(k) for k in range(1, 81)], dtype=np.float64)
+    dist = np.linalg.norm(colors[:, None] - colors[None], axis=-1) + np.eye(80) * 1e9
+    assert dist.min() >= 50  # any two of 80 classes are told apart
+    palette.cache_clear()
+    assert [class_color(k) for k in range(1, 81)] == [tuple(int(v) for v in c) for c in colors]  # recomputed: same
+    # In two different images, a class's box is drawn in its colour.
+    for seed in (0, 1):
+        image = torch.randint(0, 255, (3, 64, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        d = render(image, torch.tensor([[10.0, 10.0, 50.0, 50.0], [60.0, 5.0, 90.0, 40.0]]), ["a", "b"],
+                   pred_classes=[7, 42], min_side=64)
+        out = d.image.permute(1, 2, 0).numpy()
+        assert tuple(out[30, 10]) == class_color(7) and tuple(out[30, 60]) == class_color(42)
+
+
+def _overlap(a, b):
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+@pytest.mark.parametrize("boxes", [
+    [[10.0, 10.0, 60.0, 60.0], [12.0, 11.0, 58.0, 62.0]],  # two nearly identical boxes
+    [[5.0, 0.0, 40.0, 30.0], [8.0, 2.0, 45.0, 35.0], [6.0, 1.0, 42.0, 20.0], [7.0, 3.0, 30.0, 40.0]],  # at the top edge
+])
+def test_captions_of_overlapping_boxes_do_not_overlap(boxes):
+    image = torch.full((3, 80, 80), 200, dtype=torch.uint8)
+    captions = [f"class_{i} 0.9{i}" for i in range(len(boxes))]
+    d = render(image, torch.tensor(boxes), captions, pred_classes=list(range(1, len(boxes) + 1)))
+    rects = d.label_boxes
+    assert len(rects) == len(boxes)
+    h, w = d.image_height, d.image.shape[2]
+    for i, a in enumerate(rects):
+        assert 0 <= a[0] < a[2] <= w and 0 <= a[1] < a[3] <= h
+        for b in rects[i + 1:]:
+            assert not _overlap(a, b), (a, b)
+
+
+def test_legend_names_only_what_is_drawn():
+    image = torch.full((3, 64, 64), 90, dtype=torch.uint8)
+    pred = torch.tensor([[2.0, 1.0, 20.0, 30.0]])
+    # Predictions only (tools/infer.py): no ground-truth entry, no green in the band.
+    d = render(image, pred, ["circle 0.97"])
+    assert d.legend == ["prediction"]
+    band = d.image[:, d.image_height:].permute(1, 2, 0).reshape(-1, 3)
+    assert not (band == torch.tensor(GT_COLOR, dtype=torch.uint8)).all(dim=1).any()
+    # With classes: the classes drawn, by name; which outline is which only when both kinds are drawn.
+    names = ["circle", "triangle", "rectangle"]
+    d = render(image, pred, ["circle 0.97"], pred_classes=[1], class_names=names)
+    assert d.legend == ["circle"]
+    d = render(image, pred, ["circle 0.97"], gt_boxes=torch.tensor([[30.0, 30.0, 60.0, 60.0]]), gt_classes=[3],
+               pred_classes=[1], class_names=names)
+    assert d.legend == ["circle", "rectangle", "dashed: ground truth", "solid: prediction"]
+    # Ground truth only (browsing a data set): no prediction entry.
+    d = render(image, None, gt_boxes=pred, gt_labels=["circle"])
+    assert d.legend == ["ground truth"]
+    # Nothing drawn: no legend band.
+    d = render(image, torch.zeros(0, 4))
+    assert d.legend == [] and d.image.shape[1] == d.image_height
+
+
+def test_infer_drawing_has_class_colours_and_no_ground_truth_legend():
+    from detector.evaluation.inference import draw_predictions
+    from detector.evaluation.palette import class_color
+
+    image = np.full((64, 64, 3), 90, np.uint8)
+    det = {"boxes": torch.tensor([[5.0, 5.0, 30.0, 30.0], [35.0, 35.0, 60.0, 60.0]]),
+           "labels": torch.tensor([2, 3]), "scores": torch.tensor([0.9, 0.8])}
+    out = draw_predictions(image, det, ["circle", "triangle", "rectangle"])
+    scale = 5
+    assert tuple(out[:, 20 * scale, 5 * scale].tolist()) == class_color(2)
+    assert tuple(out[:, 50 * scale, 35 * scale].tolist()) == class_color(3)
+    band = out[:, 64 * scale:].permute(1, 2, 0).reshape(-1, 3)
+    assert not (band == torch.tensor(GT_COLOR, dtype=torch.uint8)).all(dim=1).any()
+    for label in (2, 3):
+        assert (band == torch.tensor(class_color(label), dtype=torch.uint8)).all(dim=1).any()
+
+
+def test_legend_of_80_classes_wraps_inside_the_image():
+    image = torch.full((3, 100, 100), 90, dtype=torch.uint8)
+    boxes = torch.tensor([[float(i % 10) * 10, float(i // 10) * 12, float(i % 10) * 10 + 8, float(i // 10) * 12 + 9]
+                          for i in range(80)])
+    names = [f"class_{k}" for k in range(1, 81)]
+    d = render(image, boxes, pred_classes=list(range(1, 81)), class_names=names)
+    assert d.legend == names
+    assert d.image.shape[2] == 100 * d.scale and d.image.shape[1] > d.image_height + 5 * (13 + 8)  # several rows

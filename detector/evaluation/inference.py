@@ -304,12 +304,13 @@ def predict_image(
 
 def draw_predictions(image: np.ndarray, det: Dict[str, torch.Tensor], class_names: Sequence[str]) -> torch.Tensor:
     """uint8 [3, H', W'] with boxes and ``name score`` captions drawn on ``image``
-    (uint8 [H, W, 3]); small images scaled up (see :func:`detector.evaluation.plots.render`)."""
+    (uint8 [H, W, 3]) in their class colours, a legend of the classes drawn; small images
+    scaled up (see :func:`detector.evaluation.plots.render`)."""
     captions = [
         f"{class_names[int(lab) - 1] if 0 < int(lab) <= len(class_names) else lab} {float(s):.2f}"
         for lab, s in zip(det["labels"], det["scores"])
     ]
-    return render(image, det["boxes"], captions).image
+    return render(image, det["boxes"], captions, pred_classes=det["labels"], class_names=class_names).image
 
 
 def predict_files(

@@ -9,9 +9,12 @@ Detections are drawn so that people can read them:
   64-128 px images.
 - Every caption sits on a filled rectangle of its box's colour and is kept inside the
   image: above the box where there is room, else inside it, shifted left at the right
-  edge and down at the top edge.
-- Ground truth (green) and predictions (orange-red) are told apart by colour, and a
-  legend band under the image says which is which.
+  edge and down at the top edge, and moved (below the box, or further down) where it
+  would cover a caption drawn before it (``palette.place_caption``).
+- Without class labels, ground truth (green) and predictions (orange-red) are told apart
+  by colour; with them, each class has its own colour (``palette.class_color``, stable
+  across images, distinct at 80 classes) and ground truth is dashed when predictions are
+  drawn too. A legend band under the image names only what is drawn.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image, ImageDraw, ImageFont  # noqa: E402
+
+from .palette import class_color, place_caption, text_color  # noqa: E402
 
 
 def _step(ax, recall: np.ndarray, precision: np.ndarray, **kwargs) -> bool:
@@ -165,12 +170,29 @@ class Drawing:
         scale: the integer factor the input was scaled by.
         image_height: H' without the legend band.
         label_boxes: per caption ``(x1, y1, x2, y2)``, the filled rectangle in drawn pixels.
+        legend: the legend's entries, left to right (empty: no legend band).
     """
 
     image: torch.Tensor
     scale: int
     image_height: int
     label_boxes: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    legend: List[str] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    """Boxes of one kind (ground truth or predictions) to draw."""
+
+    name: str
+    boxes: np.ndarray  # [N, 4] xyxy, drawn pixels
+    captions: Sequence[str]
+    classes: Optional[List[int]]  # class label per box, or None: the group's colour
+    color: Tuple[int, int, int]
+    dashed: bool = False
+
+    def box_color(self, k: int) -> Tuple[int, int, int]:
+        return class_color(self.classes[k]) if self.classes is not None else self.color
 
 
 def _to_pil(image: torch.Tensor | np.ndarray) -> Image.Image:
@@ -183,31 +205,107 @@ def _to_pil(image: torch.Tensor | np.ndarray) -> Image.Image:
 
 
 def _place(text_w: int, text_h: int, box: Sequence[float], width: int, height: int) -> Tuple[int, int, int, int]:
-    """The caption rectangle for a box: above its top-left corner, or inside it when
-    there is no room above; clamped to the ``width x height`` image."""
-    w, h = min(text_w, width), min(text_h, height)
-    x1 = int(round(box[0]))
-    y1 = int(round(box[1])) - h
-    if y1 < 0:
-        y1 = max(0, int(round(box[1])))
-    x1 = max(0, min(x1, width - w))
-    y1 = max(0, min(y1, height - h))
-    return x1, y1, x1 + w, y1 + h
+    """The caption rectangle for a box with no other captions around (see ``place_caption``)."""
+    return place_caption(text_w, text_h, box, width, height)
+
+
+def _group(name: str, boxes, captions: Sequence[str], classes, color: Tuple[int, int, int], scale: int) -> _Group:
+    array = np.zeros((0, 4)) if boxes is None else np.asarray(
+        torch.as_tensor(boxes).detach().float().cpu(), dtype=np.float64).reshape(-1, 4)
+    labels = None if classes is None else [int(c) for c in torch.as_tensor(classes).reshape(-1).tolist()]
+    if labels is not None and len(labels) != len(array):
+        raise ValueError(f"render: {len(labels)} {name} classes for {len(array)} boxes")
+    return _Group(name, array * scale, list(captions), labels, color)
+
+
+def _dashed_rectangle(draw: ImageDraw.ImageDraw, xy: Sequence[float], color, width: int) -> None:
+    """A rectangle outline of dashes (3 line widths on, 2 off)."""
+    x1, y1, x2, y2 = xy
+    on, period = 3 * width + 2, 5 * width + 3
+    for a in np.arange(x1, x2, period):
+        b = min(a + on, x2)
+        draw.line([(a, y1), (b, y1)], fill=color, width=width)
+        draw.line([(a, y2), (b, y2)], fill=color, width=width)
+    for a in np.arange(y1, y2, period):
+        b = min(a + on, y2)
+        draw.line([(x1, a), (x1, b)], fill=color, width=width)
+        draw.line([(x2, a), (x2, b)], fill=color, width=width)
+
+
+def _draw_groups(draw: ImageDraw.ImageDraw, groups: List[_Group], width: int, height: int, font) -> List[Tuple[int, int, int, int]]:
+    """Outlines and captions; a caption avoids those placed before it (``place_caption``)."""
+    line = max(1, round(max(width, height) / 300))
+    rects: List[Tuple[int, int, int, int]] = []
+    for g in groups:
+        for k, box in enumerate(g.boxes):
+            color = g.box_color(k)
+            x1, y1 = np.clip(box[[0, 1]], 0, [width - 1, height - 1])
+            x2, y2 = np.clip(box[[2, 3]], 0, [width - 1, height - 1])
+            if g.dashed:
+                _dashed_rectangle(draw, (x1, y1, x2, y2), color, line)
+            else:
+                draw.rectangle([x1, y1, x2, y2], outline=color, width=line)
+            if k < len(g.captions) and g.captions[k]:
+                left, top, right, bottom = draw.textbbox((0, 0), str(g.captions[k]), font=font)
+                rect = place_caption(right - left + 4, bottom - top + 4, box, width, height, rects)
+                draw.rectangle([rect[0], rect[1], rect[2] - 1, rect[3] - 1], fill=color)
+                text = TEXT_COLOR if g.classes is None else text_color(color)
+                draw.text((rect[0] + 2 - left, rect[1] + 2 - top), str(g.captions[k]), fill=text, font=font)
+                rects.append(rect)
+    return rects
+
+
+def _legend_entries(groups: List[_Group], class_names: Sequence[str]) -> List[Tuple[str, Optional[Tuple[int, int, int]]]]:
+    """What the legend says: the kinds drawn in their colours; with class colours, the
+    classes drawn, plus which outline is which kind when both kinds are drawn."""
+    if not any(g.classes is not None for g in groups):
+        return [(g.name, g.color) for g in groups]
+    labels = sorted({c for g in groups if g.classes is not None for c in g.classes})
+    entries: List[Tuple[str, Optional[Tuple[int, int, int]]]] = [
+        (class_names[c - 1] if 0 < c <= len(class_names) else str(c), class_color(c)) for c in labels]
+    if len(groups) == 2:
+        entries += [("dashed: ground truth", None), ("solid: prediction", None)]
+    return entries
+
+
+def _legend_rows(entries, width: int, font) -> List[List[Tuple[int, str, Optional[Tuple[int, int, int]]]]]:
+    """The entries wrapped into rows that fit ``width``: per row ``(x, text, swatch colour)``."""
+    rows: List[List[Tuple[int, str, Optional[Tuple[int, int, int]]]]] = []
+    x = width
+    for text, color in entries:
+        w = (16 if color is not None else 0) + int(font.getlength(text)) + 14
+        if x + w > width and (not rows or rows[-1]):
+            rows.append([])
+            x = 4
+        rows[-1].append((x, text, color))
+        x += w
+    return rows
 
 
 def render(
     image: torch.Tensor | np.ndarray,
-    pred_boxes: torch.Tensor | np.ndarray,
+    pred_boxes: Optional[torch.Tensor | np.ndarray] = None,
     pred_labels: Sequence[str] = (),
     gt_boxes: Optional[torch.Tensor | np.ndarray] = None,
     gt_labels: Sequence[str] = (),
     min_side: int = 320,
+    pred_classes: Optional[Sequence[int] | torch.Tensor] = None,
+    gt_classes: Optional[Sequence[int] | torch.Tensor] = None,
+    class_names: Sequence[str] = (),
 ) -> Drawing:
     """Draw ground truth and predictions with their captions.
 
+    Without classes, ground truth is green and predictions orange-red. With
+    ``pred_classes`` / ``gt_classes`` (label 1..K per box) every box and caption takes its
+    class's colour (``palette.class_color``); when both kinds are drawn, ground truth is
+    dashed. Captions do not overlap one another where a free place exists
+    (``palette.place_caption``). The legend under the image names only what is drawn
+    (no "ground truth" entry without ground-truth boxes; with classes, the classes drawn,
+    ``class_names[label - 1]``); nothing drawn, no legend band.
+
     Args:
         image: uint8 ``[3, H, W]`` tensor or ``[H, W, 3]`` array.
-        pred_boxes, gt_boxes: ``[N, 4]`` xyxy in the pixels of ``image``.
+        pred_boxes, gt_boxes: ``[N, 4]`` xyxy in the pixels of ``image``, or None.
         pred_labels, gt_labels: one caption per box (empty: boxes without captions).
         min_side: scale up by an integer factor until the shorter side reaches this.
     """
@@ -216,44 +314,40 @@ def render(
     if scale > 1:
         pil = pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST)
     font = ImageFont.load_default(size=FONT_SIZE)
-    legend_h = FONT_SIZE + 8
-    canvas = Image.new("RGB", (pil.width, pil.height + legend_h), (255, 255, 255))
+    groups = [g for g in (_group("ground truth", gt_boxes, gt_labels, gt_classes, GT_COLOR, scale),
+                          _group("prediction", pred_boxes, pred_labels, pred_classes, PRED_COLOR, scale)) if len(g.boxes)]
+    if len(groups) == 2 and groups[0].classes is not None:
+        groups[0].dashed = True
+    entries = _legend_entries(groups, class_names)
+    rows = _legend_rows(entries, pil.width, font)
+    row_h = FONT_SIZE + 8
+    canvas = Image.new("RGB", (pil.width, pil.height + row_h * len(rows)), (255, 255, 255))
     canvas.paste(pil, (0, 0))
     draw = ImageDraw.Draw(canvas)
-    width, height = pil.width, pil.height
-    line = max(1, round(max(width, height) / 300))
-    rects: List[Tuple[int, int, int, int]] = []
-    groups = [(gt_boxes, gt_labels, GT_COLOR), (pred_boxes, pred_labels, PRED_COLOR)]
-    for boxes, labels, color in groups:
-        if boxes is None:
-            continue
-        boxes = np.asarray(torch.as_tensor(boxes).detach().float().cpu(), dtype=np.float64).reshape(-1, 4) * scale
-        for k, box in enumerate(boxes):
-            x1, y1 = np.clip(box[[0, 1]], 0, [width - 1, height - 1])
-            x2, y2 = np.clip(box[[2, 3]], 0, [width - 1, height - 1])
-            draw.rectangle([x1, y1, x2, y2], outline=color, width=line)
-            if k < len(labels) and labels[k]:
-                left, top, right, bottom = draw.textbbox((0, 0), str(labels[k]), font=font)
-                rect = _place(right - left + 4, bottom - top + 4, box, width, height)
-                draw.rectangle([rect[0], rect[1], rect[2] - 1, rect[3] - 1], fill=color)
-                draw.text((rect[0] + 2 - left, rect[1] + 2 - top), str(labels[k]), fill=TEXT_COLOR, font=font)
-                rects.append(rect)
-    # Legend band under the image.
-    x = 4
-    for name, color in (("ground truth", GT_COLOR), ("prediction", PRED_COLOR)):
-        draw.rectangle([x, height + 5, x + 12, height + 5 + FONT_SIZE - 2], fill=color)
-        draw.text((x + 16, height + 4), name, fill=TEXT_COLOR, font=font)
-        x += 16 + int(draw.textlength(name, font=font)) + 14
+    rects = _draw_groups(draw, groups, pil.width, pil.height, font)
+    for r, row in enumerate(rows):
+        top = pil.height + r * row_h
+        for x, text, color in row:
+            if color is not None:
+                draw.rectangle([x, top + 5, x + 12, top + 5 + FONT_SIZE - 2], fill=color)
+                x += 16
+            draw.text((x, top + 4), text, fill=TEXT_COLOR, font=font)
     tensor = torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1).contiguous()
-    return Drawing(image=tensor, scale=scale, image_height=height, label_boxes=rects)
+    return Drawing(image=tensor, scale=scale, image_height=pil.height, label_boxes=rects,
+                   legend=[text for text, _ in entries])
 
 
 def draw_detections(
     image: torch.Tensor,
-    gt_boxes: torch.Tensor,
+    gt_boxes: Optional[torch.Tensor],
     pred_boxes: torch.Tensor,
     pred_labels: List[str],
+    gt_classes: Optional[torch.Tensor] = None,
+    pred_classes: Optional[torch.Tensor] = None,
+    class_names: Sequence[str] = (),
 ) -> torch.Tensor:
     """Ground truth and captioned predictions on a uint8 ``[3, H, W]`` image (boxes
-    ``[N, 4]`` xyxy pixels of that image): uint8 ``[3, H', W']`` (see :func:`render`)."""
-    return render(image, pred_boxes, pred_labels, gt_boxes=gt_boxes).image
+    ``[N, 4]`` xyxy pixels of that image): uint8 ``[3, H', W']``; with classes, in their
+    class colours (see :func:`render`)."""
+    return render(image, pred_boxes, pred_labels, gt_boxes=gt_boxes, pred_classes=pred_classes,
+                  gt_classes=gt_classes, class_names=class_names).image

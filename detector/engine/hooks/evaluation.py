@@ -211,5 +211,6 @@ def log_detections(model: torch.nn.Module, dataset: Any, tb: TensorBoardWriter, 
             keep = pred["scores"] >= score_thresh
             captions = [f"{names[label - 1] if 0 < label <= len(names) else label} {score:.2f}"
                         for label, score in zip(pred["labels"][keep].tolist(), pred["scores"][keep].tolist())]
-            drawn = draw_detections(image, target["boxes"], pred["boxes"][keep].float(), captions)
+            drawn = draw_detections(image, target["boxes"], pred["boxes"][keep].float(), captions,
+                                    gt_classes=target["labels"], pred_classes=pred["labels"][keep], class_names=names)
             tb.image(f"val/detections_{i}", drawn, iteration)
