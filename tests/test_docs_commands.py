@@ -107,6 +107,8 @@ RUN: List[Tuple[str, Dict[str, str], List[str]]] = [
     (r"^tensorboard --logdir runs/$", {"--logdir runs/": "--version"}, []),  # a server: its start is checked
     (r"^python tools/make_shapes\.py ", {"--train 600 --val 100": "--train 3 --val 2"}, []),
     (r"^python tools/summary\.py --config configs/\S+ model\.num_classes=80( |$)", {}, SMALL_TEST),
+    (r"^python tools/browse_dataset\.py --config configs/tiny_cpu\.yaml ", {},
+     ["data.shapes.num_train=8", "data.shapes.num_val=4", "input.lsj.size=128"]),
     (r"^python tools/train\.py --config configs/finetune_torchvision_coco\.yaml",
      {"model.num_classes=K ...": "model.num_classes=3"},
      [*DEMO_SIZES.split(), "data.train.root=runs/shapes_data", "data.val.root=runs/shapes_data",
