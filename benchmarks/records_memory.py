@@ -221,3 +221,4 @@ def format_records(r: Dict[str, Any]) -> str:
                      + "; ".join(f"rank {x['rank']} {x['rank_pss_mib']:.0f} + workers {x['workers_pss_mib']:.0f} "
                                  f"(USS {x['workers_uss_mib']:.0f})" for x in t["per_rank"]))
     return "\n".join(lines)
+
