@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence, Union, overload
 
@@ -103,8 +104,10 @@ class RecordStore:
             "heights": np.fromiter((r.height for r in records), np.int64, len(records)),
         }
         for name, (dtype, shape) in BOX_FIELDS.items():
-            parts = [np.asarray(getattr(r, name), dtype).reshape((-1, *shape)) for r in records]
-            arrays[name] = np.concatenate(parts) if parts else np.zeros((0, *shape), dtype)
+            parts = list(map(attrgetter(name), records))
+            if any(p.shape[1:] != shape for p in parts):  # e.g. an empty image's boxes of shape [0]
+                parts = [np.asarray(p).reshape((-1, *shape)) for p in parts]
+            arrays[name] = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros((0, *shape), dtype)
         return cls(arrays)
 
     def subset(self, indices: Sequence[int] | np.ndarray) -> "RecordStore":
