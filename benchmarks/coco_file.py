@@ -1,7 +1,7 @@
 """A COCO-style instances file of any size for the ``records`` case (``--task data
 --records-file``), written entry by entry so that its memory stays small:
 
-    python -m detector.benchmark.coco_file /tmp/train118k.json 118287 860001
+    python -m benchmarks.coco_file /tmp/train118k.json 118287 860001
 """
 
 from __future__ import annotations

@@ -67,10 +67,10 @@ def parse_cost(ann_file: str, image_dir: str) -> Dict[str, Any]:
     ``ann_file`` into a ``CocoDetection`` in a fresh interpreter (imports included in
     the memory figures: ``baseline_rss_mib`` is the interpreter after the imports)."""
     code = ("import json, sys, os; os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1'); "
-            "from detector.benchmark import records_memory as m; "
+            "from benchmarks import records_memory as m; "
             "base = m._rss_mib(); r = m._parse_in_this_process(sys.argv[1], sys.argv[2]); "
             "r['baseline_rss_mib'] = base; print(json.dumps(r))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                           os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code, ann_file, image_dir], capture_output=True, text=True,
                          env=env, check=True)
