@@ -1,11 +1,12 @@
 """The base detection data set and the box policy shared by every format.
 
 A data set reads its annotations once, at construction, into one ``ImageRecord`` per
-image, kept in a ``RecordStore`` (``records.py``: a few flat arrays, so that forked loader
-workers share them instead of copying them) (boxes already in the project's convention: ``[x1, y1, x2, y2]`` float32 absolute
-pixels, continuous coordinates, x2 > x1, no "+1"), and decodes the image file only in
-``__getitem__``. The formats: ``coco.py`` (``CocoDetection``, which also reads the
-generated shapes set) and ``voc.py`` (``VOCDetection``).
+image (boxes already in the project's convention: ``[x1, y1, x2, y2]`` float32 absolute
+pixels, continuous coordinates, x2 > x1, no "+1"), keeps them in a ``RecordStore``
+(``records.py``: a few flat arrays, which forked loader workers share instead of copying),
+and decodes the image file only in ``__getitem__``. The formats: ``coco.py``
+(``CocoDetection``, which also reads the generated shapes set) and ``voc.py``
+(``VOCDetection``).
 
 Bad-input policy (see docs/data.md):
 
