@@ -9,7 +9,7 @@ worker at COCO train2017's 118k images. A ``RecordStore`` holds 13 numpy arrays
 whatever the number of images; reading image ``i`` builds its ``ImageRecord`` from
 slices of them, and nothing of the shared pages is written. The arrays can also be
 saved to a folder of ``.npy`` files and memory-mapped back (``save`` / ``load``), so the
-processes of one machine can share one copy (see ``cache.py``).
+processes of one machine could share one copy (not used yet: every rank parses its own).
 """
 
 from __future__ import annotations
