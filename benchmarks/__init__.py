@@ -28,7 +28,9 @@ its references/detection training iteration: the one place that trains it), ``st
 (the timed steps), ``profiling``, ``tasks`` (the timed tasks, and an exported file
 against the eager model for ``tools/export.py --time``), ``coco_case`` (the scoring
 reference of ``--task eval``), ``time_to_accuracy``, ``scaling`` (1 vs 2 ranks under
-DDP, all-reduce share, the ``train.ddp_*`` sweep), ``run`` (the entry).
+DDP, all-reduce share, the ``train.ddp_*`` sweep), ``records_memory`` (memory of the
+annotation records at scale: parse, forked workers, ranks), ``coco_file`` (a COCO file
+of any size for it), ``run`` (the entry).
 
 A top-level package next to ``detector``, not part of it: nothing in ``detector``
 imports it. It runs from a checkout (``tools/benchmark.py`` puts the checkout on

@@ -13,10 +13,11 @@ import torch
 
 from detector.config import Config, config_to_dict
 from detector.engine.amp import resolve_amp
-from detector.data import DataError, resolve_num_classes
+from detector.data import DataError, build_dataset, resolve_num_classes
 from detector.distributed import resolve_device
 
 from .profiling import SYNC_EVENTS, profile_train_step
+from .records_memory import benchmark_records, format_records
 from .scaling import ScalingSweep, benchmark_scaling, format_scaling
 from .tasks import benchmark_data, benchmark_eval, benchmark_model, benchmark_train_loader
 from .timing import machine_info
@@ -60,6 +61,7 @@ def run_benchmark(
     count_ops: bool = False,
     budget_s: float = 300.0,
     scaling: Optional[ScalingSweep] = None,
+    records_file: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Run one benchmark task and return its JSON-ready result.
 
@@ -83,6 +85,9 @@ def run_benchmark(
             (``benchmarks.time_to_accuracy``).
         scaling: ``task="scaling"``: world sizes and DDP settings to sweep
             (``benchmarks.scaling``; default ``ScalingSweep()``).
+        records_file: ``task="data"``: the ``records`` case (``records_memory``) reads
+            this COCO file (images need not exist) instead of the config's training set,
+            and adds its parse cost and 2 ranks x ``data.num_workers`` workers reading it.
 
     Returns a dict with ``task``, ``config``, ``machine``, ``iters``, ``warmup``,
     ``runs`` (name -> :func:`summarize_times` fields plus ``peak_memory_bytes``,
@@ -119,6 +124,8 @@ def run_benchmark(
             result.update(_profiles(cfg, task, synthetic, profile, count_ops, compare_torchvision))
     elif task == "data":
         result.update(benchmark_data(cfg, iters, warmup))
+        dataset = None if records_file else build_dataset(cfg, "train", is_train=True)
+        result["records"] = benchmark_records(dataset, records_file, ranks=2, workers=cfg.data.num_workers)
     elif task == "time-to-accuracy":
         result.update(benchmark_time_to_accuracy(cfg, budget_s))
     elif task == "scaling":
@@ -211,6 +218,8 @@ def format_summary(result: Dict[str, Any]) -> str:
                      f"{result['host_syncs_per_step']}; nonzero per step: {result['nonzero_per_step']}")
     if "scaling" in result:
         lines.append(format_scaling(result))
+    if "records" in result:
+        lines.append(format_records(result["records"]))
     for name, prof in (result.get("profile") or {}).items():
         lines.append(f"  profile ({name}), one {'training step' if result['task'] == 'train' else 'inference batch'}, "
                      "top operators by self time:")

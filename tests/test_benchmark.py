@@ -197,6 +197,31 @@ def test_data_task_json(tmp_path):
     result = benchmark_json(tmp_path, "--task", "data", "--iters", "3", "--warmup", "1", *shapes_data(tmp_path, 12, 4))
     _check_run(result["runs"]["loader"], 3)
     assert result["runs"]["loader"]["images_per_iter"] == load_config(TINY).solver.images_per_gpu
+    records = result["records"]
+    if "skipped" not in records:  # Linux: a forked worker read every record of the 12 images
+        assert records["images"] == 12 and records["boxes"] > 0
+        assert records["worker_walk"]["store"]["growth_mib"] < 2
+        assert set(records["worker_walk"]) == {"store", "list"}
+
+
+def test_data_task_records_file(tmp_path):
+    """``--records-file``: the records case on a COCO file (the shapes' train.json), parsed
+    in a fresh interpreter and read by 2 ranks x 1 worker."""
+    overrides = shapes_data(tmp_path, 12, 4)
+    ann_file = tmp_path / "shapes" / "train.json"
+    result = benchmark_json(tmp_path, "--task", "data", "--iters", "1", "--warmup", "0", "--records-file",
+                            str(ann_file), "data.num_workers=1", *overrides)
+    records = result["records"]
+    if "skipped" in records:
+        pytest.skip(records["skipped"])
+    coco = json.loads(ann_file.read_text())
+    assert records["parse"]["images"] == records["images"] == len(coco["images"])
+    assert records["parse"]["boxes"] == records["boxes"] == len(coco["annotations"])
+    assert records["parse"]["peak_rss_mib"] >= records["parse"]["rss_after_mib"] > 0
+    tree = records["rank_tree"]
+    assert (tree["ranks"], tree["workers_per_rank"]) == (2, 1)
+    assert sum(r["boxes"] for r in tree["per_rank"]) == len(coco["annotations"])  # each rank read its shard
+    assert all(r["processes"] == 2 and r["workers_pss_mib"] > 0 for r in tree["per_rank"])
 
 
 def test_count_ops_json(tmp_path, restore_threads):

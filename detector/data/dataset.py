@@ -2,9 +2,11 @@
 
 A data set reads its annotations once, at construction, into one ``ImageRecord`` per
 image (boxes already in the project's convention: ``[x1, y1, x2, y2]`` float32 absolute
-pixels, continuous coordinates, x2 > x1, no "+1"), and decodes the image file only in
-``__getitem__``. The formats: ``coco.py`` (``CocoDetection``, which also reads the
-generated shapes set) and ``voc.py`` (``VOCDetection``).
+pixels, continuous coordinates, x2 > x1, no "+1"), keeps them in a ``RecordStore``
+(``records.py``: a few flat arrays, which forked loader workers share instead of copying),
+and decodes the image file only in ``__getitem__``. The formats: ``coco.py``
+(``CocoDetection``, which also reads the generated shapes set) and ``voc.py``
+(``VOCDetection``).
 
 Bad-input policy (see docs/data.md):
 
@@ -30,12 +32,13 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .files import DataError, load_image
+from .records import ImageRecord, RecordStore
 from .samplers import SampleKey
 
 logger = logging.getLogger(__name__)
@@ -49,22 +52,6 @@ PAST_EDGE_TOLERANCE = 1.0
 #   -> (image [3,H',W'] uint8 tensor, boxes [M,4] float32 tensor, labels [M] int64 tensor)
 # (``key`` is passed when the item is fetched with a ``SampleKey``; see transforms.py.)
 Transform = Callable[..., Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class ImageRecord:
-    """One image and its raw annotations in original-image pixel coordinates."""
-
-    image_id: int
-    path: str
-    width: int
-    height: int
-    boxes: np.ndarray  # float32 [N, 4] xyxy, clipped to the image
-    labels: np.ndarray  # int64 [N], 1..K
-    iscrowd: np.ndarray  # bool [N]
-    difficult: np.ndarray  # bool [N]
-    ann_ids: np.ndarray  # int64 [N], annotation ids (VOC: running index within the set)
-    areas: np.ndarray  # float32 [N], area for COCO size buckets (pixels^2)
 
 
 @dataclass
@@ -185,7 +172,7 @@ class DetectionDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        records: List[ImageRecord],
+        records: Union[List[ImageRecord], RecordStore],
         class_names: List[str],
         label_to_category_id: Dict[int, int],
         transforms: Optional[Transform] = None,
@@ -201,21 +188,40 @@ class DetectionDataset(torch.utils.data.Dataset):
         self.use_difficult = use_difficult
         self.source = source
         self.skipped: Counter = Counter(skipped or {})
-        self.num_images_before_filter = len(records)
+        store = records if isinstance(records, RecordStore) else RecordStore.from_records(records)
+        self.num_images_before_filter = len(store)
         if filter_empty:
-            kept = [r for r in records if self._train_mask(r).any()]
-            if len(kept) < len(records):
-                logger.info("%s: %d of %d images have no training boxes and were filtered out (data.filter_empty)",
-                            source, len(records) - len(kept), len(records))
-            records = kept
-        if not records:
+            store = self._filter_empty(store, source)
+        if not len(store):
             raise DataError(
                 f"{source}: data set is empty after filtering ({self.num_images_before_filter} images before, "
                 f"filter_empty={filter_empty})"
             )
-        self.records = records
-        self.image_ids: List[int] = [r.image_id for r in records]
-        self.aspect_ratios: List[float] = [r.width / r.height for r in records]
+        # Flat arrays, not one object per image: see records.py (forked loader workers).
+        self.records: RecordStore = store
+
+    def _filter_empty(self, store: RecordStore, source: str) -> RecordStore:
+        """``store`` without the images that have no training box (``data.filter_empty``)."""
+        a = store.arrays
+        mask = ~a["iscrowd"] if self.use_difficult else ~(a["iscrowd"] | a["difficult"])
+        trainable = np.bincount(store.box_image_index()[mask], minlength=len(store))
+        keep = np.flatnonzero(trainable > 0)
+        if len(keep) < len(store):
+            logger.info("%s: %d of %d images have no training boxes and were filtered out (data.filter_empty)",
+                        source, len(store) - len(keep), len(store))
+            return store.subset(keep)
+        return store
+
+    @property
+    def image_ids(self) -> List[int]:
+        """The image id of each item, in item order."""
+        return self.records.arrays["image_ids"].tolist()
+
+    @property
+    def aspect_ratios(self) -> List[float]:
+        """width / height of each item's image, in item order."""
+        a = self.records.arrays
+        return (a["widths"] / a["heights"]).tolist()
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
