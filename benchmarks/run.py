@@ -206,9 +206,9 @@ def format_summary(result: Dict[str, Any]) -> str:
         )
     if "ratio" in result:
         lines.append(
-            f"  ours / torchvision images/s: {result['ratio']:.3f} (median of per-iteration pairs "
-            f"{result['ratio_pairwise_median']:.3f}; by CPU time {result['ratio_cpu_time']:.3f}; "
-            f"torchvision with {result['torchvision_options']})"
+            f"  ours / torchvision speed: {result['ratio_pairwise_median']:.3f} (median of per-iteration "
+            f"pairs, the figure to read; ratio of medians {result['ratio']:.3f}, by CPU time "
+            f"{result['ratio_cpu_time']:.3f}; torchvision with {result['torchvision_options']})"
         )
     if "ratio_vs_pycocotools" in result:
         for k, v in result["ratio_vs_pycocotools"].items():
