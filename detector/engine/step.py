@@ -4,6 +4,13 @@ forward (under autocast when AMP is on) -> float32 loss sum -> backward (scaled 
 ``GradScaler`` for float16) -> unscale -> gradient norm and clipping -> the non-finite
 check -> optimizer step (or a skipped step) -> LR scheduler step.
 
+A skipped step leaves the training state as it was: no optimizer step (parameters and
+optimizer state untouched), the model's buffers (BatchNorm's running statistics, which
+the forward pass already updated) restored from a snapshot taken before the forward
+pass (``detector.engine.buffer_guard``), and the GradScaler's scale kept unless the
+skip is its own float16 overflow calibration. Only the scheduler advances, so that the
+schedule follows the iteration count.
+
 The step reads back ONE small tensor from the device per call: the flags
 ``[non-finite, stop requested]``, all-reduced across ranks under DDP so that every
 rank skips (or stops) together. Losses and the gradient norm stay on the device; the
@@ -26,6 +33,7 @@ from torch import Tensor, nn
 # Mixed-precision settings come from ``detector.engine.amp.resolve_amp``, the one place that
 # turns ``train.amp`` into them for a device.
 from detector.engine.amp import AmpSettings
+from detector.engine.buffer_guard import BufferSnapshot
 
 
 
@@ -96,6 +104,7 @@ class TrainStep:
             raise ValueError("the optimizer has no parameters to train")
         self.device = self.params[0].device
         self.scaler = scaler if scaler is not None else torch.amp.GradScaler(self.device.type, enabled=amp.uses_scaler)
+        self.buffers = BufferSnapshot(model)
         # [0, 1] on the device: the stop flag is picked from it without a host-to-device copy.
         self._zero_one = torch.tensor([0.0, 1.0], device=self.device)
 
@@ -103,6 +112,7 @@ class TrainStep:
         """Train on one batch: ``images`` (list of ``[3, H, W]`` float tensors) and their
         ``targets`` (dicts with ``boxes`` ``[N, 4]`` xyxy pixels and ``labels`` ``[N]``)."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.buffers.take()  # BatchNorm's running statistics change in the forward pass
         with torch.autocast(device_type=self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled):
             loss_dict = self.forward(images, targets)
         names = sorted(loss_dict)
@@ -130,12 +140,15 @@ class TrainStep:
         nonfinite = bad_loss or (bad_grads and not self.scaler.is_enabled())
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
+            self.buffers.restore()
         else:
             # The gradients are unscaled and known finite: step the optimizer directly
             # (GradScaler.step would read its inf flag back a second time).
             self.optimizer.step()
         if self.scaler.is_enabled():
-            self.scaler.update()  # lowers the scale after an inf/NaN, on the device
+            # A float16 overflow of the gradients lowers the scale (on the device); a
+            # non-finite loss is no scale problem: the scale and its growth count stay.
+            self.scaler.update(self.scaler.get_scale() if nonfinite else None)
         self.scheduler.step()
         losses = torch.cat([total.detach().reshape(1), parts.detach()])
         return StepResult(losses, ("total_loss", *names), grad_norm.detach(), skipped, nonfinite, stop)
