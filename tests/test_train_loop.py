@@ -95,3 +95,28 @@ def test_empty_loader_is_one_line():
     with pytest.raises(ValueError, match="the training loader yields no batches") as e:
         trainer.train()
     assert "\n" not in str(e.value) and trainer.state.status == "failed"
+
+
+def test_accumulation_feeds_whole_cycles_and_steps_on_their_mean():
+    """accumulate_steps=2 over 5 batches an epoch: steps on (0, 1), (2, 3); batch 4 is not
+    used; the next epoch starts over. The step's gradient is the mean of the cycle's."""
+    model = Scale()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0))
+    hook = Record()
+    trainer = Trainer(model, Loader(5), step, [hook], LoopState(max_iter=3), data_seed=7, accumulate_steps=2)
+    result = trainer.train()
+    assert (result.status, result.iteration) == ("finished", 3)
+    assert hook.seen == [(1, 0, 2), (2, 0, 4), (3, 1, 2)]
+    assert model.w.item() == pytest.approx(1.0 - 0.1 * (0.5 + 2.5 + 0.5))
+    assert trainer.state.batch_images == 2
+
+
+def test_fewer_batches_than_accumulation_steps_is_one_line():
+    model = Scale()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0))
+    trainer = Trainer(model, Loader(2), step, [], LoopState(max_iter=1), accumulate_steps=3)
+    with pytest.raises(ValueError, match="fewer than solver.accumulate_steps=3") as e:
+        trainer.train()
+    assert "\n" not in str(e.value)

@@ -231,6 +231,8 @@ class SolverConfig:
     param_groups: List[ParamGroupRule] = field(default_factory=list)
     images_per_gpu: int = field_(2, ge=1)
     reference_batch_size: int = field_(16, ge=1)
+    # Micro-batches of images_per_gpu per optimizer step (gradient accumulation).
+    accumulate_steps: int = field_(1, ge=1, le=1024)
     scale_lr: bool = True
     max_iter: int = field_(90000, ge=1)
     schedule: str = field_("multistep", choices=("multistep", "cosine"))

@@ -40,14 +40,14 @@ NORM_TYPES: Tuple[type, ...] = (
 
 
 def scaled_lr(cfg: Config, world_size: int) -> float:
-    """``solver.lr`` scaled linearly with the total batch (``images_per_gpu * world_size``)
-    against ``solver.reference_batch_size``, unless ``solver.scale_lr`` is false."""
+    """``solver.lr`` scaled linearly with the effective batch of one optimizer step
+    (``images_per_gpu * world_size * accumulate_steps``) against ``solver.reference_batch_size``, unless ``solver.scale_lr`` is false."""
     s = cfg.solver
     if not s.scale_lr:
         return s.lr
     if s.reference_batch_size <= 0:
         raise ValueError(f"solver.reference_batch_size must be > 0, got {s.reference_batch_size}")
-    total = s.images_per_gpu * world_size
+    total = s.images_per_gpu * world_size * s.accumulate_steps
     return s.lr * total / s.reference_batch_size
 
 

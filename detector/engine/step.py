@@ -23,8 +23,9 @@ the optimizer, the scheduler and the AMP settings.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,20 +106,54 @@ class TrainStep:
         self.device = self.params[0].device
         self.scaler = scaler if scaler is not None else torch.amp.GradScaler(self.device.type, enabled=amp.uses_scaler)
         self.buffers = BufferSnapshot(model)
+        self._is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         # [0, 1] on the device: the stop flag is picked from it without a host-to-device copy.
         self._zero_one = torch.tensor([0.0, 1.0], device=self.device)
 
     def __call__(self, images: List[Tensor], targets: List[Dict[str, Any]], stop_requested: bool = False) -> StepResult:
         """Train on one batch: ``images`` (list of ``[3, H, W]`` float tensors) and their
         ``targets`` (dicts with ``boxes`` ``[N, 4]`` xyxy pixels and ``labels`` ``[N]``)."""
+        return self.accumulate([(images, targets)], stop_requested)
+
+    def accumulate(self, batches: Sequence[Tuple[List[Tensor], List[Dict[str, Any]]]],
+                   stop_requested: bool = False) -> StepResult:
+        """One optimizer step over ``len(batches)`` micro-batches (``solver.accumulate_steps``).
+
+        Each micro-batch's loss is divided by their number before its backward pass, so
+        the accumulated gradient is the gradient of the mean of the micro-batch losses:
+        for equal micro-batches of per-image-normalised losses that is the loss of the
+        joint batch (see docs/training.md). Under DDP the gradients are all-reduced once,
+        after the last micro-batch (``no_sync`` on the others). The reported losses are
+        that mean."""
+        if not batches:
+            raise ValueError("accumulate needs at least one micro-batch")
         self.optimizer.zero_grad(set_to_none=True)
         self.buffers.take()  # BatchNorm's running statistics change in the forward pass
+        names: Tuple[str, ...] = ()
+        parts = torch.zeros((), device=self.device)
+        for i, (images, targets) in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last or not self._is_ddp else self.model.no_sync():
+                names, micro = self._forward_backward(images, targets, 1.0 / len(batches))
+            parts = parts + micro
+        return self._finish(names, parts, bool(stop_requested))
+
+    def _forward_backward(self, images: List[Tensor], targets: List[Dict[str, Any]],
+                          weight: float) -> Tuple[Tuple[str, ...], Tensor]:
+        """Forward and backward of one micro-batch; its weighted losses ``[L]`` (float32,
+        detached) in the order of the returned sorted names."""
         with torch.autocast(device_type=self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled):
             loss_dict = self.forward(images, targets)
-        names = sorted(loss_dict)
+        names = tuple(sorted(loss_dict))
         parts = torch.stack([loss_dict[k].float() for k in names])  # losses summed in float32
+        if weight != 1.0:
+            parts = parts * weight
+        self.scaler.scale(parts.sum()).backward()
+        return names, parts.detach()
+
+    def _finish(self, names: Tuple[str, ...], parts: Tensor, stop_requested: bool) -> StepResult:
+        """Unscale, norm, clip, the non-finite check, then the optimizer step or the skip."""
         total = parts.sum()
-        self.scaler.scale(total).backward()
         self.scaler.unscale_(self.optimizer)  # no-op when the scaler is disabled
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
@@ -131,7 +166,7 @@ class TrainStep:
         flags = torch.stack([
             (~torch.isfinite(total)).float(),
             (~torch.isfinite(grad_norm)).float(),
-            self._zero_one[int(bool(stop_requested))],
+            self._zero_one[int(stop_requested)],
         ])
         if self.world_size > 1:
             dist.all_reduce(flags)
@@ -150,5 +185,5 @@ class TrainStep:
             # non-finite loss is no scale problem: the scale and its growth count stay.
             self.scaler.update(self.scaler.get_scale() if nonfinite else None)
         self.scheduler.step()
-        losses = torch.cat([total.detach().reshape(1), parts.detach()])
+        losses = torch.cat([total.reshape(1), parts])
         return StepResult(losses, ("total_loss", *names), grad_norm.detach(), skipped, nonfinite, stop)

@@ -32,14 +32,15 @@ class LoopState:
     """What the loop knows, shared with the hooks.
 
     Attributes:
-        max_iter: iterations to train (``solver.max_iter``).
+        max_iter: iterations (optimizer steps) to train (``solver.max_iter``).
         iteration: iterations done.
         start_iter: ``iteration`` when this process started (0, or the resumed one).
         epoch: the current epoch of the data loader.
-        epoch_position: batches of ``epoch`` already done.
+        epoch_position: loader batches of ``epoch`` already done (``accumulate_steps`` per
+            iteration).
         step: the last ``TrainStep`` result (None before the first step).
         data_time: seconds spent waiting for the last batch.
-        batch_images: images in the last batch on this rank.
+        batch_images: images in the last iteration's micro-batches on this rank.
         stop_requested: set (to the reason, e.g. ``"SIGTERM"``) to stop after the next
             step; the step shares it across ranks, so ``step.stop`` is what stops.
         status: ``running``, then ``finished``, ``interrupted`` or ``failed``.
@@ -105,11 +106,13 @@ class Trainer:
             resumed run, ``detector.engine.checkpointing.set_rng_state``).
         output_dir: reported in the ``TrainResult``.
         on_close: called by ``close()`` in order (writers, the run folder).
+        accumulate_steps: loader batches (micro-batches) per optimizer step
+            (``solver.accumulate_steps``); an iteration is one optimizer step.
     """
 
     def __init__(self, model: nn.Module, loader: Any, step: TrainStep, hooks: Sequence[Any], state: LoopState,
                  data_seed: int = 0, rng_state: Optional[Dict[str, Any]] = None, output_dir: Optional[Path] = None,
-                 on_close: Sequence[Callable[[], None]] = ()) -> None:
+                 on_close: Sequence[Callable[[], None]] = (), accumulate_steps: int = 1) -> None:
         self.model = model
         self.loader = loader
         self.step = step
@@ -119,6 +122,7 @@ class Trainer:
         self.output_dir = output_dir
         self._pending_rng = rng_state
         self._on_close = list(on_close)
+        self.accumulate_steps = int(accumulate_steps)
 
     @property
     def model_without_ddp(self) -> nn.Module:
@@ -179,35 +183,51 @@ class Trainer:
         return iter(self.loader)
 
     def _loop(self, state: LoopState) -> None:
-        n_batches = len(self.loader)
+        n_batches, n = len(self.loader), self.accumulate_steps
         if n_batches == 0:
             raise ValueError("the training loader yields no batches: check data.train and solver.images_per_gpu")
+        if n_batches < n:
+            raise ValueError(f"the training loader yields {n_batches} batches an epoch, fewer than "
+                             f"solver.accumulate_steps={n}: lower solver.accumulate_steps or solver.images_per_gpu")
         while state.iteration < state.max_iter:
-            if state.epoch_position >= n_batches:
+            if state.epoch_position + n > n_batches:
                 state.epoch, state.epoch_position = state.epoch + 1, 0
             batches = self._epoch_batches()
             if self._pending_rng is not None:  # after the iterator, as in the straight run
                 set_rng_state(self._pending_rng)
                 self._pending_rng = None
             while state.iteration < state.max_iter:
-                t0 = time.perf_counter()
-                batch = next(batches, None)
-                if batch is None:
+                micro = self._next_micro_batches(batches, state, n_batches)
+                if micro is None:
                     break
-                images, targets = batch
-                state.data_time, state.batch_images = time.perf_counter() - t0, len(images)
-                state.step = self.step(images, targets, stop_requested=state.stop_requested is not None)
+                state.step = self.step.accumulate(micro, stop_requested=state.stop_requested is not None)
                 state.iteration += 1
-                state.epoch_position += 1
+                state.epoch_position += len(micro)
                 if state.step.stop and state.stop_requested is None:
                     state.stop_requested = "a signal to another rank"
                 for hook in self.hooks:
                     hook.after_step(state)
                 if state.stopping:
                     return
-            if state.iteration < state.max_iter and state.epoch_position < n_batches:
+            if state.iteration < state.max_iter and state.epoch_position + n <= n_batches:
                 logger.warning("epoch %d ended after %d of %d batches", state.epoch, state.epoch_position, n_batches)
                 state.epoch_position = n_batches
+
+    def _next_micro_batches(self, batches: Iterator[Any], state: LoopState, n_batches: int) -> Optional[List[Any]]:
+        """The ``accumulate_steps`` batches of the next optimizer step, or None at the end of
+        the epoch. The last ``n_batches mod accumulate_steps`` batches of an epoch are not
+        used (not even loaded): an optimizer step never spans two epochs."""
+        if state.epoch_position + self.accumulate_steps > n_batches:
+            return None
+        t0, micro = time.perf_counter(), []
+        for _ in range(self.accumulate_steps):
+            batch = next(batches, None)
+            if batch is None:
+                return None
+            micro.append(batch)
+        state.data_time = time.perf_counter() - t0
+        state.batch_images = sum(len(images) for images, _ in micro)
+        return micro
 
     def close(self) -> None:
         """Release what the builder handed over (``on_close``: writers, the run folder)."""

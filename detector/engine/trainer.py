@@ -132,6 +132,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     training_state.best = eval_hook  # checkpoints record its best value
     hooks = _build_hooks(cfg, dist, checkpointer, writers, step, eval_hook)
     return Trainer(model, loader, step, hooks, state, data_seed=cfg.train.seed * 1000003 + dist.rank,
+                   accumulate_steps=cfg.solver.accumulate_steps,
                    rng_state=resumed.rng_state if resumed is not None else None, output_dir=output_dir,
                    on_close=on_close)
 
