@@ -234,7 +234,14 @@ class SolverConfig:
     # Micro-batches of images_per_gpu per optimizer step (gradient accumulation).
     accumulate_steps: int = field_(1, ge=1, le=1024)
     scale_lr: bool = True
-    max_iter: int = field_(90000, ge=1)
+    max_iter: int = field_(90000, ge=0, note="(0: from solver.max_epochs)")
+    # Schedules in epochs: with max_iter 0, the trainer converts max_epochs and
+    # steps_epochs into max_iter and steps with the optimizer steps of an epoch
+    # (data set size / (images_per_gpu * world size * accumulate_steps)), which it
+    # records in iters_per_epoch (0: not converted) and writes to the run's config.yaml.
+    max_epochs: int = field_(0, ge=0, note="(0: train by solver.max_iter)")
+    steps_epochs: List[int] = field(default_factory=list)
+    iters_per_epoch: int = field_(0, ge=0, note="(set by the trainer: 0 until converted)")
     schedule: str = field_("multistep", choices=("multistep", "cosine"))
     steps: List[int] = field(default_factory=lambda: [60000, 80000])
     gamma: float = field_(0.1, gt=0)

@@ -207,6 +207,7 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be {what}, got {value}")
     _check_model_keys(cfg)
     _check_recipe_keys(cfg)
+    _check_schedule_keys(cfg)
 
 
 # --------------------------------------------------------------------------- rules
@@ -281,3 +282,20 @@ def _check_recipe_keys(cfg: Config) -> None:
     if len(set(cfg.data.class_names)) != len(cfg.data.class_names):
         dup = next(n for n in cfg.data.class_names if cfg.data.class_names.count(n) > 1)
         raise ConfigError(f"config key 'data.class_names' names {dup!r} twice")
+
+
+def _check_schedule_keys(cfg: Config) -> None:
+    """Iterations or epochs, not both: ``solver.max_epochs`` needs ``solver.max_iter=0``,
+    unless the trainer converted it already (``solver.iters_per_epoch`` set, as in a run's
+    ``config.yaml``)."""
+    s = cfg.solver
+    if s.max_epochs > 0 and s.max_iter > 0 and s.iters_per_epoch == 0:
+        raise ConfigError(f"config keys 'solver.max_epochs' ({s.max_epochs}) and 'solver.max_iter' ({s.max_iter}) "
+                          "are both set: train by epochs with solver.max_iter=0, or by iterations with solver.max_epochs=0")
+    if s.max_epochs == 0 and s.max_iter == 0:
+        raise ConfigError("config key 'solver.max_iter' is 0: set it (iterations) or solver.max_epochs (epochs)")
+    if s.steps_epochs and s.max_epochs == 0:
+        raise ConfigError(f"config key 'solver.steps_epochs' ({s.steps_epochs}) needs solver.max_epochs "
+                          "(with solver.max_iter=0); in iterations use solver.steps")
+    if any(e < 1 for e in s.steps_epochs):
+        raise ConfigError(f"config key 'solver.steps_epochs' takes epochs >= 1, got {s.steps_epochs}")

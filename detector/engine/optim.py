@@ -19,6 +19,7 @@ then multistep or cosine decay), so the LR ratios between groups hold throughout
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 from typing import Any, Dict, List, Tuple
@@ -232,3 +233,30 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> WarmupL
         warmup_factor=s.warmup_factor,
         final_factor=s.cosine_final_lr_factor,
     )
+
+
+def resolve_epoch_schedule(cfg: Config, batches_per_epoch: int) -> Config:
+    """``solver.max_epochs`` / ``solver.steps_epochs`` converted to ``solver.max_iter`` /
+    ``solver.steps`` (optimizer steps); ``cfg`` itself where training is by iterations.
+
+    Args:
+        batches_per_epoch: loader batches of one epoch on one rank (``len(loader)``,
+            i.e. the data set size over ``images_per_gpu * world_size``).
+
+    Returns:
+        a copy with ``iters_per_epoch = batches_per_epoch // accumulate_steps``,
+        ``max_iter = max_epochs * iters_per_epoch`` and ``steps = steps_epochs * iters_per_epoch``
+        (``steps`` kept when ``steps_epochs`` is empty); the epochs are kept.
+    """
+    s = cfg.solver
+    if s.max_epochs <= 0:
+        return cfg
+    per_epoch = batches_per_epoch // s.accumulate_steps
+    if per_epoch < 1:
+        raise ValueError(f"solver.max_epochs: an epoch of {batches_per_epoch} batches gives no optimizer step with "
+                         f"solver.accumulate_steps={s.accumulate_steps}")
+    solver = dataclasses.replace(s, iters_per_epoch=per_epoch, max_iter=s.max_epochs * per_epoch,
+                                 steps=[e * per_epoch for e in s.steps_epochs] if s.steps_epochs else list(s.steps))
+    logger.info("solver.max_epochs=%d: %d optimizer steps an epoch, solver.max_iter=%d, solver.steps=%s",
+                s.max_epochs, per_epoch, solver.max_iter, solver.steps)
+    return dataclasses.replace(cfg, solver=solver)

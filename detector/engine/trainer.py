@@ -40,7 +40,7 @@ from detector.engine.amp import resolve_amp
 from detector.engine.checkpointing import Checkpointer, ResumePoint, TrainingState, resume_training
 from detector.engine.hooks import EvalHook, MetricsWriter, NonFiniteGuard, PeriodicCheckpointer, SignalHook, Validator
 from detector.engine.log import EventWriters, JSONLWriter, TensorBoardWriter
-from detector.engine.optim import build_lr_scheduler, build_optimizer
+from detector.engine.optim import build_lr_scheduler, build_optimizer, resolve_epoch_schedule
 from detector.engine.run_folder import RunFolder
 from detector.engine.setup import configure_torch, prepare_model
 from detector.engine.static_step import static_forward
@@ -83,8 +83,8 @@ def build_trainer(
         run_folder: a folder already opened by the caller (``RunFolder.open``); by
             default ``train.output_dir`` is opened (locked) until ``Trainer.close()``.
     """
-    if cfg.solver.max_iter <= 0:
-        raise ValueError(f"solver.max_iter must be > 0, got {cfg.solver.max_iter}")
+    if cfg.solver.max_iter <= 0 and cfg.solver.max_epochs <= 0:
+        raise ValueError(f"solver.max_iter must be > 0 (or solver.max_epochs), got {cfg.solver.max_iter}")
     dist = dist_info or init_distributed(cfg.train.device, backend=cfg.train.dist_backend)
     configure_torch(cfg)
     seed_everything(cfg.train.seed, dist.rank)
@@ -105,13 +105,14 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     is_main, output_dir = dist.rank == 0, Path(cfg.train.output_dir)
     amp = resolve_amp(cfg.train.amp, dist.device)  # float16 on a CPU is refused before anything is built
     cfg, train_set = _training_data(cfg)
+    loader = build_train_loader(cfg, train_set, dist.rank, dist.world_size)
+    cfg = resolve_epoch_schedule(cfg, len(loader))  # before the scheduler, config.yaml and checkpoints
     model = _initial_model(cfg, output_dir, is_main)
     model, model_without_ddp = prepare_model(model, cfg, dist.device, dist.world_size)
     optimizer = build_optimizer(model, cfg, dist.world_size)
     scheduler = build_lr_scheduler(optimizer, cfg)
     step = TrainStep(model, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, dist.world_size,
                      forward=static_forward(cfg, model_without_ddp, dist.world_size))
-    loader = build_train_loader(cfg, train_set, dist.rank, dist.world_size)
 
     state = LoopState(max_iter=cfg.solver.max_iter)
     training_state = TrainingState(model_without_ddp, optimizer, scheduler, step.scaler, state, cfg, dist.world_size)
