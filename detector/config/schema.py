@@ -261,6 +261,14 @@ class AMPConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    # Stop after this many periodic evaluations in a row without an improvement of
+    # train.best_metric by more than min_delta (0: off). Needs train.eval_period > 0.
+    patience: int = field_(0, ge=0, note="(0: off)")
+    min_delta: float = field_(0.0, ge=0)
+
+
+@dataclass
 class TrainConfig:
     output_dir: str = "runs/default"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -275,6 +283,7 @@ class TrainConfig:
     keep_last: int = field_(3, ge=0)
     eval_period: int = 5000
     best_metric: str = "AP"
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     # A run stops after this many non-finite losses in a row.
     max_nonfinite_steps: int = field_(5, ge=1)
     tensorboard: bool = True

@@ -208,6 +208,7 @@ def validate_config(cfg: Config) -> None:
     _check_model_keys(cfg)
     _check_recipe_keys(cfg)
     _check_schedule_keys(cfg)
+    _check_train_keys(cfg)
 
 
 # --------------------------------------------------------------------------- rules
@@ -299,3 +300,10 @@ def _check_schedule_keys(cfg: Config) -> None:
                           "(with solver.max_iter=0); in iterations use solver.steps")
     if any(e < 1 for e in s.steps_epochs):
         raise ConfigError(f"config key 'solver.steps_epochs' takes epochs >= 1, got {s.steps_epochs}")
+
+
+def _check_train_keys(cfg: Config) -> None:
+    """Early stopping counts periodic evaluations."""
+    if cfg.train.early_stop.patience > 0 and cfg.train.eval_period <= 0:
+        raise ConfigError(f"config key 'train.early_stop.patience' ({cfg.train.early_stop.patience}) needs periodic "
+                          f"evaluation: set train.eval_period > 0 (got {cfg.train.eval_period})")

@@ -128,6 +128,7 @@ class TrainingState:
             "epoch_position": self.loop.epoch_position,
             "best_value": self.best.best_value if self.best is not None else None,
             "best_metric": self.cfg.train.best_metric,
+            "early_stop": self.best.early_stop_state() if self.best is not None else None,
             "rng": {"per_rank": per_rank},
             "config": config_to_dict(self.cfg),
             "world_size": self.world_size,
@@ -421,6 +422,7 @@ class ResumePoint:
     epoch_position: int
     best_value: Optional[float]
     rng_state: Optional[Dict[str, Any]]
+    early_stop: Optional[Dict[str, Any]] = None
 
 
 def resume_training(path: Path, state_fn: TrainingState, checkpointer: Checkpointer, rank: int) -> ResumePoint:
@@ -434,7 +436,7 @@ def resume_training(path: Path, state_fn: TrainingState, checkpointer: Checkpoin
     s = state_fn
     state = load_training_state(path, s.model, s.optimizer, s.scheduler, s.scaler, s.cfg)
     point = ResumePoint(int(state["iteration"]), int(state.get("epoch", 0)), int(state.get("epoch_position", 0)),
-                        state.get("best_value"), None)
+                        state.get("best_value"), None, state.get("early_stop"))
     per_rank = (state.get("rng") or {}).get("per_rank") or []
     if len(per_rank) != s.world_size:
         logger.warning("resume: checkpoint written by %d ranks, now %d; RNG streams restart", len(per_rank), s.world_size)

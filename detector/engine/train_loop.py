@@ -46,6 +46,8 @@ class LoopState:
         status: ``running``, then ``finished``, ``interrupted`` or ``failed``.
         error: the one-line error of a failed run.
         metrics: the last evaluation's metrics (set by the evaluation hook).
+        early_stop: set by a hook (the evaluation hook's patience) to the one-line reason
+            to end the run now; it ends as ``finished``.
     """
 
     max_iter: int
@@ -60,6 +62,7 @@ class LoopState:
     status: str = "running"
     error: Optional[str] = None
     metrics: Dict[str, float] = field(default_factory=dict)
+    early_stop: Optional[str] = None
 
     @property
     def stopping(self) -> bool:
@@ -156,7 +159,8 @@ class Trainer:
             for hook in self.hooks:
                 hook.before_train(state)
             self._loop(state)
-            state.status = "interrupted" if state.iteration < state.max_iter else "finished"
+            ended = state.iteration >= state.max_iter or state.early_stop is not None
+            state.status = "finished" if ended else "interrupted"
         except BaseException as exc:
             state.status, state.error = "failed", first_line(exc)
             for hook in self.hooks:
@@ -189,7 +193,7 @@ class Trainer:
         if n_batches < n:
             raise ValueError(f"the training loader yields {n_batches} batches an epoch, fewer than "
                              f"solver.accumulate_steps={n}: lower solver.accumulate_steps or solver.images_per_gpu")
-        while state.iteration < state.max_iter:
+        while state.iteration < state.max_iter and state.early_stop is None:
             if state.epoch_position + n > n_batches:
                 state.epoch, state.epoch_position = state.epoch + 1, 0
             batches = self._epoch_batches()
@@ -207,7 +211,7 @@ class Trainer:
                     state.stop_requested = "a signal to another rank"
                 for hook in self.hooks:
                     hook.after_step(state)
-                if state.stopping:
+                if state.stopping or state.early_stop is not None:
                     return
             if state.iteration < state.max_iter and state.epoch_position + n <= n_batches:
                 logger.warning("epoch %d ended after %d of %d batches", state.epoch, state.epoch_position, n_batches)

@@ -40,6 +40,7 @@ from detector.engine.amp import resolve_amp
 from detector.engine.checkpointing import Checkpointer, ResumePoint, TrainingState, resume_training
 from detector.engine.hooks import EvalHook, MetricsWriter, NonFiniteGuard, PeriodicCheckpointer, SignalHook, Validator
 from detector.engine.log import EventWriters, JSONLWriter, TensorBoardWriter
+from detector.engine.early_stop import EarlyStopping
 from detector.engine.optim import build_lr_scheduler, build_optimizer, resolve_epoch_schedule
 from detector.engine.run_folder import RunFolder
 from detector.engine.setup import configure_torch, prepare_model
@@ -124,11 +125,13 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
 
     writers = _open_run_records(cfg, output_dir, state.iteration, resumed is not None, is_main)
     on_close.insert(0, writers.close)
+    early_stopping = EarlyStopping(cfg.train.best_metric, cfg.train.early_stop.patience, cfg.train.early_stop.min_delta)
+    early_stopping.load_state_dict(resumed.early_stop if resumed is not None else None)
     eval_hook = EvalHook(
         Validator(model_without_ddp, cfg, amp, writers, output_dir, is_main), checkpointer, cfg.train.eval_period,
         cfg.train.best_metric, writers, resumed.best_value if resumed is not None else None,
         eval_command=f"python tools/eval.py --config {output_dir / 'config.yaml'} --weights {{weights}}",
-        is_main=is_main, world_size=dist.world_size,
+        is_main=is_main, world_size=dist.world_size, early_stopping=early_stopping,
     )
     training_state.best = eval_hook  # checkpoints record its best value
     hooks = _build_hooks(cfg, dist, checkpointer, writers, step, eval_hook)

@@ -19,6 +19,7 @@ from detector.distributed import all_gather_object
 from detector.engine.checkpointing import Checkpointer
 from detector.engine.log import EventWriters, TensorBoardWriter
 from detector.engine.amp import AmpSettings
+from detector.engine.early_stop import EarlyStopping, metric_value
 from detector.engine.train_loop import HookBase, LoopState
 from detector.evaluation import draw_detections, evaluate as default_evaluate, write_report
 from detector.messages import DetectorError, typed_first_line
@@ -47,6 +48,9 @@ class EvalHook(HookBase):
         best_value: the best value so far (from a resumed checkpoint).
         writers: eval records go to JSONL (``type: eval``) and TensorBoard (``eval/<k>``).
         eval_command: how to evaluate a checkpoint by hand; ``{weights}`` is replaced.
+        early_stopping: patience on ``best_metric`` at the periodic evaluations
+            (``train.early_stop``); when it runs out the hook sets ``state.early_stop`` and
+            the loop ends the run as finished (final checkpoint, ``last.pth``).
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class EvalHook(HookBase):
         eval_command: str = "python tools/eval.py --weights {weights}",
         is_main: bool = True,
         world_size: int = 1,
+        early_stopping: Optional[EarlyStopping] = None,
     ) -> None:
         self.evaluate = evaluate
         self.checkpointer = checkpointer
@@ -71,22 +76,42 @@ class EvalHook(HookBase):
         self.is_main = is_main
         self.world_size = world_size
         self.last_metrics: Dict[str, float] = {}
+        self.last_iteration: Optional[int] = None
+        self.early_stopping = early_stopping
+
+    def early_stop_state(self) -> Optional[Dict[str, Any]]:
+        """The patience counter, for checkpoints (None: early stopping is off)."""
+        return self.early_stopping.state_dict() if self.early_stopping is not None else None
+
+    def before_train(self, state: LoopState) -> None:
+        es = self.early_stopping
+        if es is not None and es.exhausted:  # resumed from a run that had stopped early
+            state.early_stop = es.reason(state.iteration)
+            logger.warning("%s (resumed)", state.early_stop)
 
     def after_step(self, state: LoopState) -> None:
         if self.period > 0 and state.iteration % self.period == 0 and state.iteration < state.max_iter \
                 and not state.stopping:
-            self.run(state.iteration)
+            self.run(state.iteration, periodic=True)
             state.metrics = dict(self.last_metrics)
+            es = self.early_stopping
+            if es is not None and es.exhausted:
+                state.early_stop = es.reason(state.iteration)
+                if self.is_main:
+                    logger.warning("%s; best.pth and last.pth are kept", state.early_stop)
 
     def after_train(self, state: LoopState) -> None:
+        if state.early_stop is not None and self.last_iteration == state.iteration:
+            return  # evaluated at this iteration already (the evaluation that stopped the run)
         if state.status == "finished" and self.period >= 0:
             error = self.run(state.iteration)
             state.metrics = dict(self.last_metrics)
             if error is not None:
                 raise EvaluationError(error)
 
-    def run(self, iteration: int) -> Optional[str]:
-        """Evaluate and keep the best; returns the one-line error of a failure, else None."""
+    def run(self, iteration: int, periodic: bool = False) -> Optional[str]:
+        """Evaluate and keep the best (and, ``periodic``, count the patience); returns the
+        one-line error of a failure, else None."""
         t0 = time.perf_counter()
         metrics: Dict[str, float] = {}
         error: Optional[str] = None
@@ -115,7 +140,8 @@ class EvalHook(HookBase):
                                {f"eval/{k}": v for k, v in metrics.items()}, iteration)
             if self.writers.tb is not None:
                 self.writers.tb.flush()
-        self._keep_best(metrics, iteration)
+        self.last_iteration = iteration
+        self._keep_best(metrics, iteration, periodic)
         return None
 
     def _checkpoint_at(self, iteration: int) -> str:
@@ -128,24 +154,39 @@ class EvalHook(HookBase):
             return f"<no checkpoint yet; the next one in {self.checkpointer.directory}>"
         return f"{newest} (iteration {self.checkpointer.newest_iteration})"
 
-    def _keep_best(self, metrics: Dict[str, float], iteration: int) -> None:
+    def _keep_best(self, metrics: Dict[str, float], iteration: int, periodic: bool) -> None:
+        """``best.pth`` at a new best measured ``best_metric``; the patience counted first,
+        so that the files rewritten here carry it (a checkpoint of this iteration was
+        written before this evaluation)."""
+        value = self._measured_value(metrics)
+        es = self.early_stopping if periodic else None
+        wait = es.wait if es is not None else None
+        if es is not None:
+            es.update(value, iteration)
+        same = [n for n, it in self.checkpointer.saved.items() if it == iteration and n != "best.pth"]
+        if value is None or (self.best_value is not None and value <= self.best_value):
+            if es is not None and es.enabled and same and es.wait != wait:
+                self.checkpointer.save(same, iteration)  # they carry the new patience count
+            return
+        self.best_value = value
+        # Files already holding this iteration are rewritten too, so they carry the new best value.
+        self.checkpointer.save(["best.pth", *same], iteration)
+        if self.is_main:
+            logger.info("new best %s %.4f at iteration %d", self.best_metric, value, iteration)
+
+    def _measured_value(self, metrics: Dict[str, float]) -> Optional[float]:
+        """Rank 0's measured ``best_metric`` (``metric_value``) on every rank; None where missing."""
         value: Optional[float] = None
         if self.is_main and metrics:
             if self.best_metric not in metrics:
                 logger.warning("train.best_metric=%r is not among the evaluation metrics %s; best.pth not written",
                                self.best_metric, sorted(metrics))
-            elif math.isfinite(metrics[self.best_metric]) and (
-                    self.best_value is None or metrics[self.best_metric] > self.best_value):
-                value = metrics[self.best_metric]
-        value = value if self.world_size == 1 else all_gather_object(value)[0]
-        if value is None:
-            return
-        self.best_value = value
-        # Files already holding this iteration are rewritten too, so they carry the new best value.
-        same = [n for n, it in self.checkpointer.saved.items() if it == iteration and n != "best.pth"]
-        self.checkpointer.save(["best.pth", *same], iteration)
-        if self.is_main:
-            logger.info("new best %s %.4f at iteration %d", self.best_metric, value, iteration)
+            else:
+                value = metric_value(metrics, self.best_metric)
+                if value is None:
+                    logger.warning("%s is %s, not measured (e.g. no ground truth in the val set): no improvement, "
+                                   "best.pth not written", self.best_metric, metrics[self.best_metric])
+        return value if self.world_size == 1 else all_gather_object(value)[0]
 
 
 class Validator:
