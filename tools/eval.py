@@ -118,7 +118,7 @@ def run_model(args: argparse.Namespace) -> int:
         if cfg.model.num_classes is None:  # auto: the run's config.yaml holds the number; else the data's
             cfg = resolve_num_classes(cfg, dataset, split="val")
         model = build_model(cfg)
-        load_model_weights(model, args.weights)
+        load_model_weights(model, args.weights, use_ema=cfg.eval.use_ema and cfg.train.ema.enabled)
         model.to(info.device)
         evaluate(model, dataset, cfg, output_dir=args.output_dir)
         if info.rank == 0 and args.output_dir:

@@ -261,6 +261,15 @@ class AMPConfig:
 
 
 @dataclass
+class EMAConfig:
+    # An exponential moving average of the weights (detector.engine.ema): decay ramps up
+    # as decay * (1 - exp(-updates / warmup)); saved in checkpoints, evaluated with eval.use_ema.
+    enabled: bool = False
+    decay: float = field_(0.9998, gt=0, lt=1)
+    warmup: int = field_(2000, ge=0, note="(optimizer steps; 0: no ramp)")
+
+
+@dataclass
 class EarlyStopConfig:
     # Stop after this many periodic evaluations in a row without an improvement of
     # train.best_metric by more than min_delta (0: off). Needs train.eval_period > 0.
@@ -284,6 +293,7 @@ class TrainConfig:
     eval_period: int = 5000
     best_metric: str = "AP"
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
     # A run stops after this many non-finite losses in a row.
     max_nonfinite_steps: int = field_(5, ge=1)
     tensorboard: bool = True
@@ -317,6 +327,9 @@ class EvalConfig:
     score_thresh: float = field_(0.5, ge=0, le=1)
     compute_val_loss: bool = False
     amp: bool = False
+    # With train.ema.enabled: evaluate the EMA weights (they choose best.pth; the raw
+    # weights' metrics are logged as raw/<metric>); false: the raw ones (EMA as ema/<metric>).
+    use_ema: bool = True
 
 
 @dataclass

@@ -24,7 +24,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -104,6 +104,8 @@ class TrainingState:
         world_size: processes of the run.
         best: an object whose ``best_value`` is the best ``train.best_metric`` so far
             (the evaluation hook, set once it is built); None: no best value.
+        extras: more entries, each the value its callable returns at save time
+            (``early_stop``: the patience count, ``ema``: the weights' moving average).
     """
 
     model: nn.Module
@@ -114,6 +116,7 @@ class TrainingState:
     cfg: Config
     world_size: int = 1
     best: Optional[Any] = None
+    extras: Dict[str, Callable[[], Any]] = field(default_factory=dict)
 
     def __call__(self) -> Dict[str, Any]:
         rng = get_rng_state()
@@ -128,7 +131,7 @@ class TrainingState:
             "epoch_position": self.loop.epoch_position,
             "best_value": self.best.best_value if self.best is not None else None,
             "best_metric": self.cfg.train.best_metric,
-            "early_stop": self.best.early_stop_state() if self.best is not None else None,
+            **{k: fn() for k, fn in self.extras.items()},
             "rng": {"per_rank": per_rank},
             "config": config_to_dict(self.cfg),
             "world_size": self.world_size,
@@ -422,7 +425,7 @@ class ResumePoint:
     epoch_position: int
     best_value: Optional[float]
     rng_state: Optional[Dict[str, Any]]
-    early_stop: Optional[Dict[str, Any]] = None
+    extras: Optional[Dict[str, Any]] = None  # the checkpoint's early_stop and ema entries
 
 
 def resume_training(path: Path, state_fn: TrainingState, checkpointer: Checkpointer, rank: int) -> ResumePoint:
@@ -436,7 +439,7 @@ def resume_training(path: Path, state_fn: TrainingState, checkpointer: Checkpoin
     s = state_fn
     state = load_training_state(path, s.model, s.optimizer, s.scheduler, s.scaler, s.cfg)
     point = ResumePoint(int(state["iteration"]), int(state.get("epoch", 0)), int(state.get("epoch_position", 0)),
-                        state.get("best_value"), None, state.get("early_stop"))
+                        state.get("best_value"), None, {k: state.get(k) for k in ("early_stop", "ema")})
     per_rank = (state.get("rng") or {}).get("per_rank") or []
     if len(per_rank) != s.world_size:
         logger.warning("resume: checkpoint written by %d ranks, now %d; RNG streams restart", len(per_rank), s.world_size)

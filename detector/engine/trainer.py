@@ -32,15 +32,19 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
+from torch import nn
+
 from detector.config import Config, config_to_yaml, save_config
 from detector.data import build_dataset, check_data_paths, resolve_num_classes
 from detector.data.loader import build_train_loader
 from detector.distributed import DistInfo, init_distributed, seed_everything
-from detector.engine.amp import resolve_amp
+from detector.engine.amp import AmpSettings, resolve_amp
 from detector.engine.checkpointing import Checkpointer, ResumePoint, TrainingState, resume_training
-from detector.engine.hooks import EvalHook, MetricsWriter, NonFiniteGuard, PeriodicCheckpointer, SignalHook, Validator
-from detector.engine.log import EventWriters, JSONLWriter, TensorBoardWriter
+from detector.engine.hooks import (EMAHook, EvalHook, MetricsWriter, NonFiniteGuard, PairedValidator,
+                                   PeriodicCheckpointer, SignalHook, Validator)
 from detector.engine.early_stop import EarlyStopping
+from detector.engine.ema import ModelEMA
+from detector.engine.log import EventWriters, JSONLWriter, TensorBoardWriter
 from detector.engine.optim import build_lr_scheduler, build_optimizer, resolve_epoch_schedule
 from detector.engine.run_folder import RunFolder
 from detector.engine.setup import configure_torch, prepare_model
@@ -125,20 +129,53 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
 
     writers = _open_run_records(cfg, output_dir, state.iteration, resumed is not None, is_main)
     on_close.insert(0, writers.close)
-    early_stopping = EarlyStopping(cfg.train.best_metric, cfg.train.early_stop.patience, cfg.train.early_stop.min_delta)
-    early_stopping.load_state_dict(resumed.early_stop if resumed is not None else None)
-    eval_hook = EvalHook(
-        Validator(model_without_ddp, cfg, amp, writers, output_dir, is_main), checkpointer, cfg.train.eval_period,
-        cfg.train.best_metric, writers, resumed.best_value if resumed is not None else None,
-        eval_command=f"python tools/eval.py --config {output_dir / 'config.yaml'} --weights {{weights}}",
-        is_main=is_main, world_size=dist.world_size, early_stopping=early_stopping,
-    )
+    ema = _build_ema(cfg, model_without_ddp, training_state, resumed)
+    eval_hook = _build_eval_hook(cfg, dist, model_without_ddp, ema, amp, writers, checkpointer, resumed)
+    training_state.extras["early_stop"] = eval_hook.early_stop_state
     training_state.best = eval_hook  # checkpoints record its best value
-    hooks = _build_hooks(cfg, dist, checkpointer, writers, step, eval_hook)
+    hooks = ([EMAHook(ema, model_without_ddp)] if ema is not None else []) + \
+        _build_hooks(cfg, dist, checkpointer, writers, step, eval_hook)
     return Trainer(model, loader, step, hooks, state, data_seed=cfg.train.seed * 1000003 + dist.rank,
                    accumulate_steps=cfg.solver.accumulate_steps,
                    rng_state=resumed.rng_state if resumed is not None else None, output_dir=output_dir,
                    on_close=on_close)
+
+
+def _build_ema(cfg: Config, model: nn.Module, training_state: TrainingState,
+               resumed: Optional[ResumePoint]) -> Optional[ModelEMA]:
+    """The weights' moving average (``train.ema``), restored from a resumed checkpoint;
+    registered with the checkpoints. None where it is off."""
+    if not cfg.train.ema.enabled:
+        return None
+    ema = ModelEMA(model, cfg.train.ema.decay, cfg.train.ema.warmup)
+    stored = (resumed.extras or {}).get("ema") if resumed is not None else None
+    if stored is not None:
+        ema.load_state_dict(stored)
+    elif resumed is not None:
+        logger.warning("train.ema: the checkpoint holds no EMA weights; the average starts from the resumed weights")
+    training_state.extras["ema"] = ema.state_dict
+    return ema
+
+
+def _build_eval_hook(cfg: Config, dist: DistInfo, model: nn.Module, ema: Optional[ModelEMA], amp: AmpSettings,
+                     writers: EventWriters, checkpointer: Checkpointer, resumed: Optional[ResumePoint]) -> EvalHook:
+    """``EvalHook`` on the raw or (``eval.use_ema``) the EMA weights, the other ones
+    evaluated alongside (``raw/`` or ``ema/`` metrics); early stopping restored."""
+    is_main, output_dir = dist.rank == 0, Path(cfg.train.output_dir)
+    main_model = ema.module if ema is not None and cfg.eval.use_ema else model
+    evaluate: Any = Validator(main_model, cfg, amp, writers, output_dir, is_main)
+    if ema is not None:
+        other, prefix = (model, "raw") if cfg.eval.use_ema else (ema.module, "ema")
+        evaluate = PairedValidator(evaluate, Validator(other, cfg, amp, writers, output_dir, is_main,
+                                                       eval_name=f"eval_{prefix}", draw=False), prefix)
+    early_stopping = EarlyStopping(cfg.train.best_metric, cfg.train.early_stop.patience, cfg.train.early_stop.min_delta)
+    early_stopping.load_state_dict((resumed.extras or {}).get("early_stop") if resumed is not None else None)
+    return EvalHook(
+        evaluate, checkpointer, cfg.train.eval_period,
+        cfg.train.best_metric, writers, resumed.best_value if resumed is not None else None,
+        eval_command=f"python tools/eval.py --config {output_dir / 'config.yaml'} --weights {{weights}}",
+        is_main=is_main, world_size=dist.world_size, early_stopping=early_stopping,
+    )
 
 
 def _training_data(cfg: Config) -> Tuple[Config, Any]:

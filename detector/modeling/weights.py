@@ -296,7 +296,7 @@ def _sort_keys(state: Mapping[str, Tensor], target: Mapping[str, Tensor], report
 # --------------------------------------------------------------------------- initial weights
 
 
-def load_model_weights(model: nn.Module, source: str, key: str = "--weights") -> LoadReport:
+def load_model_weights(model: nn.Module, source: str, key: str = "--weights", use_ema: bool = False) -> LoadReport:
     """Strict load for evaluation and inference: ``source`` is a local file (a training
     checkpoint or a state dict) or a torchvision weights name such as
     ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` (downloaded once to torch hub's cache;
@@ -304,7 +304,16 @@ def load_model_weights(model: nn.Module, source: str, key: str = "--weights") ->
 
     Raises:
         WeightsError: as ``load_weights`` and ``torchvision_state_dict``; one line naming ``key``.
+
+    ``use_ema``: load a training checkpoint's EMA weights (its ``ema`` entry, written
+    with ``train.ema.enabled``) rather than its raw ones; a file without them is an error.
     """
+    if use_ema:
+        data = read_weights_file(source)
+        if not isinstance(data.get("ema"), dict):
+            raise WeightsError(f"{key} {source}: holds no EMA weights (a checkpoint of a run with "
+                               "train.ema.enabled); set eval.use_ema=false to evaluate its raw weights")
+        return load_weights(model, data["ema"]["model"], strict=True, name=f"{source} (EMA)")
     found = _weights_source(source, key=key, instead="pass the downloaded file")
     if found is None:  # neither a file nor a name: the file loader says the file is missing
         return load_weights(model, source, strict=True)

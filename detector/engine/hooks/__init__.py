@@ -30,12 +30,15 @@ model) run on every rank at the same iterations, so the ranks stay in step.
 """
 
 from detector.engine.hooks.checkpoints import PeriodicCheckpointer
+from detector.engine.hooks.ema import EMAHook, PairedValidator
 from detector.engine.hooks.evaluation import EvalHook, EvaluationError, Validator, log_detections
 from detector.engine.hooks.metrics import MetricsWriter
 from detector.engine.hooks.nonfinite import NonFiniteGuard, NonFiniteLossError
 from detector.engine.hooks.signals import SignalHook
 
 __all__ = [
+    "EMAHook",
+    "PairedValidator",
     "EvalHook",
     "EvaluationError",
     "MetricsWriter",

@@ -205,10 +205,14 @@ class Validator:
         dataset: the val dataset; by default ``build_dataset(cfg, "val", False)`` at the
             first evaluation.
         evaluate_fn: ``detector.evaluation.evaluate`` by default.
+        eval_name: the folder under ``output_dir`` for the reports (``eval``).
+        draw: write the per-class curves and images to TensorBoard (off for a second
+            model evaluated alongside, ``PairedValidator``).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: Config, amp: AmpSettings, writers: EventWriters, output_dir: Path,
-                 is_main: bool = True, dataset: Any = None, evaluate_fn: Callable[..., Any] = default_evaluate) -> None:
+                 is_main: bool = True, dataset: Any = None, evaluate_fn: Callable[..., Any] = default_evaluate,
+                 eval_name: str = "eval", draw: bool = True) -> None:
         self.model = model
         self.cfg = cfg
         self.amp = amp
@@ -217,16 +221,18 @@ class Validator:
         self.is_main = is_main
         self.dataset = dataset
         self.evaluate_fn = evaluate_fn
+        self.eval_name = eval_name
+        self.draw = draw
 
     def __call__(self, iteration: int) -> Dict[str, float]:
         cfg, model = self.cfg, self.model
         try:
             if self.dataset is None:
                 self.dataset = build_dataset(cfg, "val", False)
-            out = self.output_dir / "eval" / f"iter_{iteration:07d}"
+            out = self.output_dir / self.eval_name / f"iter_{iteration:07d}"
             metrics = self.evaluate_fn(model, self.dataset, cfg, output_dir=out if self.is_main else None)
             report = getattr(metrics, "report", None)  # per-class curves (detector.evaluation.evaluate)
-            tb = self.writers.tb if self.is_main else None
+            tb = self.writers.tb if self.is_main and self.draw else None
             if tb is not None and report is not None:
                 write_report(tb.writer, report, iteration)
             if tb is not None and cfg.train.vis_images > 0:
