@@ -47,7 +47,7 @@ class ModelEMA:
         self.updates += 1
         weight = 1.0 - self.decay_at(self.updates)
         ema_f, model_f = [], []
-        for (name, e), m in zip(self.module.state_dict().items(), model.state_dict().values()):
+        for e, m in zip(self.module.state_dict().values(), model.state_dict().values()):
             if e.is_floating_point():
                 ema_f.append(e)
                 model_f.append(m.detach())

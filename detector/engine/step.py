@@ -11,6 +11,9 @@ pass (``detector.engine.buffer_guard``), and the GradScaler's scale kept unless 
 skip is its own float16 overflow calibration. Only the scheduler advances, so that the
 schedule follows the iteration count.
 
+``accumulate`` takes several micro-batches for one optimizer step
+(``solver.accumulate_steps``); ``__call__`` is the one-batch case.
+
 The step reads back ONE small tensor from the device per call: the flags
 ``[non-finite, stop requested]``, all-reduced across ranks under DDP so that every
 rank skips (or stops) together. Losses and the gradient norm stay on the device; the

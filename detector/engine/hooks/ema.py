@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
+from torch import nn
+
 from detector.engine.ema import ModelEMA
 from detector.engine.train_loop import HookBase, LoopState
-from torch import nn
 
 
 class EMAHook(HookBase):
