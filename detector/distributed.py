@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from detector.config import AMPConfig
+from detector.config import AMPConfig, ConfigError
 from detector.messages import DetectorError, first_line
 
 
@@ -153,19 +153,52 @@ def cuda_index_for_rank(local_rank: int, local_world_size: int, device_count: in
     return local_rank
 
 
+def available_devices() -> List[str]:
+    """The devices this machine has, in ``train.device`` syntax: ``cpu``, then
+    ``cuda:0`` ... and ``mps`` where present."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        out.append("mps")
+    return out
+
+
+def check_device(name: str) -> torch.device:
+    """``train.device`` (other than ``auto``) as a ``torch.device``, if this machine has it.
+
+    Raises:
+        ConfigError: one line naming ``train.device`` and the devices that exist (a
+            device type torch does not know, ``cuda`` without CUDA, ``cuda:7`` on a
+            machine with fewer GPUs).
+    """
+    have = available_devices()
+    where = f"this machine has {', '.join(have)}; use one of them or 'auto'"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"config key 'train.device' is {name!r}, which is not a device: {where}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'train.device' is {name!r} but CUDA is not available: {where}")
+    if device.type not in ("cpu", "cuda") and device.type not in have:
+        raise ConfigError(f"config key 'train.device' is {name!r} but {where}")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"config key 'train.device' is {name!r} but {where}")
+    return device
+
+
 def resolve_device(name: str, local_rank: int = 0, backend: str = "auto", local_world_size: int = 1) -> torch.device:
     """``auto`` -> CUDA when available, else ``cpu``. ``cuda`` (no index) becomes this
     rank's GPU (``cuda_index_for_rank``); an explicit ``cuda:N`` is kept.
 
-    Asking for CUDA on a machine without it is an error, not a silent fallback.
-    Nothing touches a GPU before the checks pass.
+    A device this machine lacks is a ``ConfigError`` (``check_device``), not a silent
+    fallback. Nothing touches a GPU before the checks pass.
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    device = check_device(name)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"train.device={name!r} but CUDA is not available on this machine; use 'cpu' or 'auto'")
         if device.index is None:
             index = cuda_index_for_rank(local_rank, local_world_size, torch.cuda.device_count(),
                                         resolve_backend(backend, "cuda"))

@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default=None,
                    help="initial weights (overrides model.weights): a checkpoint file or a torchvision weights name")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. solver.lr=0.01")
-    args = p.parse_args(argv)
+    # Intermixed: overrides may come before or after options, e.g. `--resume CKPT solver.lr=0.1`.
+    args = p.parse_intermixed_args(argv)
     # `--resume solver.lr=0.01`: argparse hands the override to --resume as CKPT. A value
     # with "=" that names no file is an override, and --resume means last.pth.
     if isinstance(args.resume, str) and "=" in args.resume and not Path(args.resume).exists():

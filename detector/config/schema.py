@@ -12,6 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
+# The longest image side (pixels) any input.* size may ask for: an 8192 x 8192 float
+# image is 768 MiB before the backbone. (A batch is also estimated against the
+# memory before work starts: detector.engine.memory.)
+MAX_IMAGE_SIDE = 8192
+# train.seed seeds numpy, whose seeds are 32-bit.
+MAX_SEED = 2**32 - 1
 
 def field_(
     default: Any,
@@ -174,10 +180,11 @@ class DataConfig:
 @dataclass
 class InputConfig:
     # Shorter side drawn from these values in training; longer side capped at max_size.
+    # Every size in pixels, at most MAX_IMAGE_SIDE.
     min_size_train: List[int] = field(default_factory=lambda: [800])
-    max_size_train: int = field_(1333, ge=1)
-    min_size_test: int = field_(800, ge=1)
-    max_size_test: int = field_(1333, ge=1)
+    max_size_train: int = field_(1333, ge=1, le=MAX_IMAGE_SIDE)
+    min_size_test: int = field_(800, ge=1, le=MAX_IMAGE_SIDE)
+    max_size_test: int = field_(1333, ge=1, le=MAX_IMAGE_SIDE)
     hflip_prob: float = field_(0.5, ge=0, le=1)
     color_jitter: bool = False
 
@@ -232,7 +239,7 @@ class TrainConfig:
     # auto: NCCL on CUDA, gloo on CPU. gloo on CUDA lets ranks share GPUs (rank r on
     # cuda:(LOCAL_RANK mod GPU count)), e.g. to test DDP + SyncBN on one GPU.
     dist_backend: str = field_("auto", choices=("auto", "nccl", "gloo"))
-    seed: int = 42
+    seed: int = field_(42, ge=0, le=MAX_SEED)
     deterministic: bool = False
     amp: AMPConfig = field(default_factory=AMPConfig)
     log_period: int = field_(20, ge=1)

@@ -39,6 +39,7 @@ from detector.distributed import DistInfo, init_distributed, seed_everything
 from detector.engine.amp import resolve_amp
 from detector.engine.checkpointing import Checkpointer, ResumePoint, TrainingState, resume_training
 from detector.engine.hooks import EvalHook, MetricsWriter, NonFiniteGuard, PeriodicCheckpointer, SignalHook, Validator
+from detector.engine.memory import check_batch_memory
 from detector.engine.log import EventWriters, JSONLWriter, TensorBoardWriter
 from detector.engine.optim import build_lr_scheduler, build_optimizer
 from detector.engine.run_folder import RunFolder
@@ -104,6 +105,8 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     ``on_close`` gets the writers to close (before the folder is released)."""
     is_main, output_dir = dist.rank == 0, Path(cfg.train.output_dir)
     amp = resolve_amp(cfg.train.amp, dist.device)  # float16 on a CPU is refused before anything is built
+    # A batch that cannot fit is refused before anything is built (ranks on the CPU share the host's memory).
+    check_batch_memory(cfg, dist.device, dist.local_world_size if dist.device.type == "cpu" else 1)
     cfg, train_set = _training_data(cfg)
     model = _initial_model(cfg, output_dir, is_main)
     model, model_without_ddp = prepare_model(model, cfg, dist.device, dist.world_size)
