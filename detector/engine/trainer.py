@@ -121,7 +121,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     checkpointer = Checkpointer(output_dir, training_state, is_main, cfg.train.keep_last, dist.world_size)
     resumed: Optional[ResumePoint] = None
     if folder.resume_from is not None:
-        resumed = resume_training(folder.resume_from, training_state, checkpointer, dist.rank)
+        resumed = resume_training(folder.resume_from, training_state, checkpointer, dist.rank, len(loader))
         state.iteration, state.epoch, state.epoch_position = resumed.iteration, resumed.epoch, resumed.epoch_position
 
     writers = _open_run_records(cfg, output_dir, state.iteration, resumed is not None, is_main)
