@@ -239,6 +239,11 @@ class TrainConfig:
     # auto: NCCL on CUDA, gloo on CPU. gloo on CUDA lets ranks share GPUs (rank r on
     # cuda:(LOCAL_RANK mod GPU count)), e.g. to test DDP + SyncBN on one GPU.
     dist_backend: str = field_("auto", choices=("auto", "nccl", "gloo"))
+    # Seconds a collective waits for the other ranks before the run stops with one line
+    # naming the rank that does not answer (frozen, stopped or lost): the process group's
+    # timeout. A collective slow to complete is logged before (after a fifth of it, at
+    # most 60 s).
+    dist_timeout_s: float = field_(300.0, gt=0, le=86400.0)
     seed: int = field_(42, ge=0, le=MAX_SEED)
     deterministic: bool = False
     amp: AMPConfig = field(default_factory=AMPConfig)

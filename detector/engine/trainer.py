@@ -86,7 +86,8 @@ def build_trainer(
     """
     if cfg.solver.max_iter <= 0:
         raise ValueError(f"solver.max_iter must be > 0, got {cfg.solver.max_iter}")
-    dist = dist_info or init_distributed(cfg.train.device, backend=cfg.train.dist_backend)
+    dist = dist_info or init_distributed(cfg.train.device, backend=cfg.train.dist_backend,
+                                         timeout_s=cfg.train.dist_timeout_s)
     configure_torch(cfg)
     seed_everything(cfg.train.seed, dist.rank)
     folder = run_folder or RunFolder.open(Path(cfg.train.output_dir), resume, overwrite, dist.rank == 0,
@@ -136,7 +137,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     hooks = _build_hooks(cfg, dist, checkpointer, writers, step, eval_hook)
     return Trainer(model, loader, step, hooks, state, data_seed=cfg.train.seed * 1000003 + dist.rank,
                    rng_state=resumed.rng_state if resumed is not None else None, output_dir=output_dir,
-                   on_close=on_close)
+                   on_close=on_close, dist_info=dist)
 
 
 def _training_data(cfg: Config) -> Tuple[Config, Any]:
