@@ -35,8 +35,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from detector.config import AMPConfig
-from detector.messages import DetectorError, first_line
+from detector.config import AMPConfig, ConfigError
+from detector.dist_faults import lost_rank_message, wake_stopped_peers, watch  # noqa: F401
+from detector.messages import DetectorError
+
+# lost_rank_message, wake_stopped_peers and watch live in detector.dist_faults; re-exported for the tools.
 
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -69,6 +72,7 @@ class DistInfo:
     backend: str = ""  # "nccl" / "gloo"; "" without a process group
     local_world_size: int = 1
     shared_gpus: int = 0  # >0: gloo ranks share this many GPUs (more local ranks than GPUs)
+    timeout_s: float = 1800.0  # the process group's timeout (train.dist_timeout_s)
 
     def describe(self) -> str:
         """One line for the log: world size, backend, this rank's device, and how the
@@ -153,19 +157,52 @@ def cuda_index_for_rank(local_rank: int, local_world_size: int, device_count: in
     return local_rank
 
 
+def available_devices() -> List[str]:
+    """The devices this machine has, in ``train.device`` syntax: ``cpu``, then
+    ``cuda:0`` ... and ``mps`` where present."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        out.append("mps")
+    return out
+
+
+def check_device(name: str) -> torch.device:
+    """``train.device`` (other than ``auto``) as a ``torch.device``, if this machine has it.
+
+    Raises:
+        ConfigError: one line naming ``train.device`` and the devices that exist (a
+            device type torch does not know, ``cuda`` without CUDA, ``cuda:7`` on a
+            machine with fewer GPUs).
+    """
+    have = available_devices()
+    where = f"this machine has {', '.join(have)}; use one of them or 'auto'"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"config key 'train.device' is {name!r}, which is not a device: {where}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'train.device' is {name!r} but CUDA is not available: {where}")
+    if device.type not in ("cpu", "cuda") and device.type not in have:
+        raise ConfigError(f"config key 'train.device' is {name!r} but {where}")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"config key 'train.device' is {name!r} but {where}")
+    return device
+
+
 def resolve_device(name: str, local_rank: int = 0, backend: str = "auto", local_world_size: int = 1) -> torch.device:
     """``auto`` -> CUDA when available, else ``cpu``. ``cuda`` (no index) becomes this
     rank's GPU (``cuda_index_for_rank``); an explicit ``cuda:N`` is kept.
 
-    Asking for CUDA on a machine without it is an error, not a silent fallback.
-    Nothing touches a GPU before the checks pass.
+    A device this machine lacks is a ``ConfigError`` (``check_device``), not a silent
+    fallback. Nothing touches a GPU before the checks pass.
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    device = check_device(name)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"train.device={name!r} but CUDA is not available on this machine; use 'cpu' or 'auto'")
         if device.index is None:
             index = cuda_index_for_rank(local_rank, local_world_size, torch.cuda.device_count(),
                                         resolve_backend(backend, "cuda"))
@@ -174,10 +211,14 @@ def resolve_device(name: str, local_rank: int = 0, backend: str = "auto", local_
     return device
 
 
-def init_distributed(device_name: str = "auto", timeout_minutes: int = 30, backend: str = "auto") -> DistInfo:
+def init_distributed(device_name: str = "auto", timeout_minutes: int = 30, backend: str = "auto",
+                     timeout_s: Optional[float] = None) -> DistInfo:
     """Initialise the default process group from the environment, if launched so.
 
-    ``backend`` is ``train.dist_backend`` (``auto``, ``nccl`` or ``gloo``). Returns rank,
+    ``backend`` is ``train.dist_backend`` (``auto``, ``nccl`` or ``gloo``); ``timeout_s``
+    (``train.dist_timeout_s``, default ``timeout_minutes``) is how long a collective
+    waits for the other ranks before it fails (``lost_rank_message`` names the rank
+    that did not answer). Returns rank,
     world size, local rank, the device this process should use and the backend.
     Raises ``LaunchError`` before any collective when this node has fewer GPUs than
     NCCL ranks; a rank that does not report it waits ``QUIET_STOP_WAIT_S`` first.
@@ -203,7 +244,7 @@ def init_distributed(device_name: str = "auto", timeout_minutes: int = 30, backe
         kwargs: Dict[str, Any] = {}
         if resolved == "nccl":
             kwargs["device_id"] = device
-        timeout = timedelta(minutes=timeout_minutes)
+        timeout = timedelta(seconds=timeout_s if timeout_s is not None else 60.0 * timeout_minutes)
         store = _restart_store(timeout)
         if store is not None:
             kwargs["store"] = store
@@ -215,7 +256,8 @@ def init_distributed(device_name: str = "auto", timeout_minutes: int = 30, backe
         peers = tuple(tuple(p) for p in all_gather_object((socket.gethostname(), os.getpid())))
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, peers=peers,
                     backend=resolved if world_size > 1 else "", local_world_size=local_world_size,
-                    shared_gpus=shared if world_size > 1 else 0)
+                    shared_gpus=shared if world_size > 1 else 0,
+                    timeout_s=timeout_s if timeout_s is not None else 60.0 * timeout_minutes)
 
 
 def _restart_store(timeout: timedelta) -> Optional[dist.Store]:
@@ -235,61 +277,6 @@ def _restart_store(timeout: timedelta) -> Optional[dist.Store]:
     return dist.PrefixStore(f"detector/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-# What a collective raises when a peer process went away (gloo; NCCL with async error handling).
-_LOST_PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe",
-                    "remote process exited", "ncclremoteerror")
-
-
-def _process_ended(pid: int) -> bool:
-    """True when process ``pid`` (on this host) no longer runs: gone, or a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def lost_rank_message(exc: BaseException, info: Optional[DistInfo], wait_s: float = 3.0) -> Optional[str]:
-    """One line for ``exc`` when it is a collective failing because another rank's process
-    ended (killed, crashed, or stopped by its own error); None for any other error.
-
-    The lost rank is found among the ranks on this host (a process that ended, waiting up
-    to ``wait_s`` seconds for it to finish exiting); when none did and exactly one other
-    rank runs on another host, that rank is named.
-    """
-    if info is None or info.world_size < 2 or len(info.peers) != info.world_size:
-        return None
-    text = str(exc)
-    if not isinstance(exc, RuntimeError) or not any(s in text.lower() for s in _LOST_PEER_SIGNS):
-        return None
-    host = socket.gethostname()
-    local = [r for r, (h, _) in enumerate(info.peers) if h == host and r != info.rank]
-    remote = [r for r, (h, _) in enumerate(info.peers) if h != host]
-    deadline = time.monotonic() + wait_s
-    while True:
-        ended = [r for r in local if _process_ended(info.peers[r][1])]
-        if ended or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    advice = ("resume with --resume, or launch with torchrun --max-restarts=N ... --resume to restart "
-              "automatically")
-    if ended:
-        who = ", ".join(f"rank {r} (pid {info.peers[r][1]} on {host})" for r in ended)
-        return f"lost {who} of {info.world_size}: its process ended, so rank {info.rank} stops too; {advice}"
-    if len(remote) == 1:
-        r = remote[0]
-        return (f"lost contact with rank {r} of {info.world_size} on {info.peers[r][0]}, so rank {info.rank} "
-                f"stops too; {advice}")
-    first = first_line(exc)
-    return f"lost contact with another rank ({first}), so rank {info.rank} stops too; {advice}"
-
-
 def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -306,9 +293,11 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def barrier() -> None:
+def barrier(info: Optional[DistInfo] = None) -> None:
+    """Wait for every rank (``watch``-ed: a slow wait is logged; ``info`` names the ranks)."""
     if is_dist() and get_world_size() > 1:
-        dist.barrier()
+        with watch("barrier", info):
+            dist.barrier()
 
 
 def all_gather_object(obj: Any) -> List[Any]:
@@ -316,7 +305,8 @@ def all_gather_object(obj: Any) -> List[Any]:
     if not is_dist() or get_world_size() == 1:
         return [obj]
     out: List[Any] = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
+    with watch("all_gather_object"):
+        dist.all_gather_object(out, obj)
     return out
 
 

@@ -116,7 +116,7 @@ def test_resolve_device_nccl_checks_before_touching_a_gpu(fake_gpus):
 def test_resolve_device_cpu_ignores_gpus(fake_gpus):
     fake_gpus(0)
     assert resolve_device("auto", local_rank=3, backend="auto", local_world_size=8) == torch.device("cpu")
-    with pytest.raises(RuntimeError, match="CUDA is not available"):
+    with pytest.raises(ConfigError, match="'train.device' is 'cuda' but CUDA is not available: this machine has cpu"):
         resolve_device("cuda", backend="gloo")
 
 

@@ -111,7 +111,7 @@ def run_model(args: argparse.Namespace) -> int:
     from detector.modeling import build_model
 
     cfg = load_config(args.config, args.overrides)
-    info = init_distributed(cfg.train.device, backend=cfg.train.dist_backend)
+    info = init_distributed(cfg.train.device, backend=cfg.train.dist_backend, timeout_s=cfg.train.dist_timeout_s)
     try:
         setup_logging(args.output_dir, rank=info.rank)
         dataset = build_dataset(cfg, "val", is_train=False)

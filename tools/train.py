@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default=None,
                    help="initial weights (overrides model.weights): a checkpoint file or a torchvision weights name")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. solver.lr=0.01")
-    args = p.parse_args(argv)
+    # Intermixed: overrides may come before or after options, e.g. `--resume CKPT solver.lr=0.1`.
+    args = p.parse_intermixed_args(argv)
     # `--resume solver.lr=0.01`: argparse hands the override to --resume as CKPT. A value
     # with "=" that names no file is an override, and --resume means last.pth.
     if isinstance(args.resume, str) and "=" in args.resume and not Path(args.resume).exists():
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, overrides)
         check_output_dir(cfg.train.output_dir)
-        info = distributed.init_distributed(cfg.train.device, backend=cfg.train.dist_backend)
+        info = distributed.init_distributed(cfg.train.device, backend=cfg.train.dist_backend,
+                                            timeout_s=cfg.train.dist_timeout_s)
         rank = info.rank
         setup_logging(None, rank)  # console only until the run folder is ours
         with RunFolder.open(cfg.train.output_dir, args.resume, args.overwrite, rank == 0, info.world_size) as folder:
@@ -96,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
         message = None if isinstance(exc, DetectorError) else distributed.lost_rank_message(exc, info)
         if message is None:
             raise
-        return report_error(exc, line=message)
+        status = report_error(exc, line=message)
+        distributed.wake_stopped_peers(info)  # a stopped rank cannot end otherwise
+        return status
     finally:
         distributed.cleanup()
     if rank == 0:  # (the final metrics were logged once, as the evaluator's table)

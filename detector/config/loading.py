@@ -23,6 +23,7 @@ from detector.messages import first_line
 
 from .schema import Config
 from .validation import ConfigError, auto_keys, check_keys, validate_config
+from .yaml_reader import YAMLRefused, load_yaml
 
 
 def _read_yaml(path: Path, seen: Tuple[Path, ...] = ()) -> List[Tuple[dict, str]]:
@@ -34,12 +35,17 @@ def _read_yaml(path: Path, seen: Tuple[Path, ...] = ()) -> List[Tuple[dict, str]
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
+    except YAMLRefused as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}".replace("\n", " ")) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{path}: 'base:' names one config file (a string, relative to this file), "
+                          f"got {type(base).__name__} {_short(base)}")
     chain: List[Tuple[dict, str]] = []
     if base:
         base_path = Path(base)
@@ -69,10 +75,22 @@ def _parse_override(item: str) -> Tuple[str, Any]:
     key, _, raw = item.partition("=")
     key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+        value = load_yaml(raw) if raw.strip() != "" else ""
+    except YAMLRefused as exc:
+        raise ConfigError(f"override '{_cut(item)}': the value {exc}") from None
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters for a one-line message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut for a one-line message."""
+    return _cut(repr(value))
 
 
 def _nest(key: str, value: Any) -> dict:

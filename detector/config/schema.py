@@ -12,6 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
+# The longest image side (pixels) any input.* size may ask for: an 8192 x 8192 float
+# image is 768 MiB before the backbone. (A batch is also estimated against the
+# memory before work starts: detector.engine.memory.)
+MAX_IMAGE_SIDE = 8192
+# train.seed seeds numpy, whose seeds are 32-bit.
+MAX_SEED = 2**32 - 1
 
 def field_(
     default: Any,
@@ -198,10 +204,11 @@ class CopyPasteConfig:
 @dataclass
 class InputConfig:
     # Shorter side drawn from these values in training; longer side capped at max_size.
+    # Every size in pixels, at most MAX_IMAGE_SIDE.
     min_size_train: List[int] = field(default_factory=lambda: [800])
-    max_size_train: int = field_(1333, ge=1)
-    min_size_test: int = field_(800, ge=1)
-    max_size_test: int = field_(1333, ge=1)
+    max_size_train: int = field_(1333, ge=1, le=MAX_IMAGE_SIDE)
+    min_size_test: int = field_(800, ge=1, le=MAX_IMAGE_SIDE)
+    max_size_test: int = field_(1333, ge=1, le=MAX_IMAGE_SIDE)
     hflip_prob: float = field_(0.5, ge=0, le=1)
     color_jitter: bool = False
     lsj: LSJConfig = field(default_factory=LSJConfig)
@@ -284,7 +291,12 @@ class TrainConfig:
     # auto: NCCL on CUDA, gloo on CPU. gloo on CUDA lets ranks share GPUs (rank r on
     # cuda:(LOCAL_RANK mod GPU count)), e.g. to test DDP + SyncBN on one GPU.
     dist_backend: str = field_("auto", choices=("auto", "nccl", "gloo"))
-    seed: int = 42
+    # Seconds a collective waits for the other ranks before the run stops with one line
+    # naming the rank that does not answer (frozen, stopped or lost): the process group's
+    # timeout. A collective slow to complete is logged before (after a fifth of it, at
+    # most 60 s).
+    dist_timeout_s: float = field_(300.0, gt=0, le=86400.0)
+    seed: int = field_(42, ge=0, le=MAX_SEED)
     deterministic: bool = False
     amp: AMPConfig = field(default_factory=AMPConfig)
     log_period: int = field_(20, ge=1)

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from detector.messages import DetectorError
 
-from .schema import Config
+from .schema import MAX_IMAGE_SIDE, Config
 
 
 class ConfigError(DetectorError, ValueError):
@@ -179,9 +179,14 @@ def _in_range(value: float, meta: Mapping[str, Any]) -> bool:
             and (le is None or value <= le) and (lt is None or value < lt))
 
 
+# Every integer key feeds a 64-bit integer somewhere (a tensor, a sampler, numpy).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _check_finite(value: Any, key: str) -> None:
-    """Raise ConfigError for the first NaN or infinite float in ``value`` (a config
-    section, a list or a number); ``key`` is its dotted name."""
+    """Raise ConfigError for the first NaN or infinite float, or list item that is an
+    integer outside int64, in ``value`` (a config section, a list or a number); ``key``
+    is its dotted name. (An integer key is held to int64 with its bounds: ``_int_bounds``.)"""
     if dataclasses.is_dataclass(value):
         for f in dataclasses.fields(value):
             _check_finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
@@ -190,6 +195,19 @@ def _check_finite(value: Any, key: str) -> None:
             _check_finite(item, f"{key}[{i}]")
     elif isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key '{key}' is {value}; it must be a finite number")
+    elif type(value) is int and key.endswith("]") and not INT64_MIN <= value <= INT64_MAX:
+        raise ConfigError(f"config key '{key}' is {value}, which does not fit in a 64-bit integer "
+                          f"(in {INT64_MIN}..{INT64_MAX})")
+
+
+def _int_bounds(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An integer key's bounds: the schema's, with int64's where the schema has none."""
+    out = dict(meta)
+    if out.get("ge") is None and out.get("gt") is None:
+        out["ge"] = INT64_MIN
+    if out.get("le") is None and out.get("lt") is None:
+        out["le"] = INT64_MAX
+    return out
 
 
 def validate_config(cfg: Config) -> None:
@@ -202,6 +220,7 @@ def validate_config(cfg: Config) -> None:
         if choices and value not in choices:
             raise ConfigError(f"config key '{key}' is {value!r}; expected one of {', '.join(choices)}")
     for key, value, meta in leaves:
+        meta = _int_bounds(meta) if type(value) is int else meta
         what = range_text(meta, integer=type(value) is int)
         if what and value is not None and not _in_range(value, meta):
             raise ConfigError(f"config key '{key}' must be {what}, got {value}")
@@ -264,8 +283,9 @@ def _check_recipe_keys(cfg: Config) -> None:
             f"config key 'data.prefetch_factor' must be >= 1 with data.num_workers={cfg.data.num_workers}, "
             f"got {cfg.data.prefetch_factor}"
         )
-    if not cfg.input.min_size_train or any(s < 1 for s in cfg.input.min_size_train):
-        raise ConfigError(f"config key 'input.min_size_train' needs at least one size >= 1, got {cfg.input.min_size_train}")
+    if not cfg.input.min_size_train or any(not 1 <= s <= MAX_IMAGE_SIDE for s in cfg.input.min_size_train):
+        raise ConfigError(f"config key 'input.min_size_train' needs at least one size, each in 1..{MAX_IMAGE_SIDE} "
+                          f"(pixels), got {cfg.input.min_size_train}")
     lsj = cfg.input.lsj
     if lsj.min_scale > lsj.max_scale:
         raise ConfigError(f"config key 'input.lsj.min_scale' ({lsj.min_scale}) must be <= input.lsj.max_scale "

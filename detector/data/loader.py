@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import time
 from functools import partial
@@ -163,9 +164,44 @@ def _is_bus_error(exc: BaseException, iterator: Any = None) -> bool:
     return any(getattr(w, "exitcode", None) == -signal.SIGBUS for w in workers)
 
 
+_WORKER_ERROR = re.compile(r"^Caught \w+ in (DataLoader worker process \d+|pin memory thread[^\n]*)\.\nOriginal "
+                           r"Traceback \(most recent call last\):\n")
+
+
+def unwrap_worker_error(exc: BaseException) -> Optional[BaseException]:
+    """The exception a DataLoader worker raised, as raised without workers; None when
+    ``exc`` is no worker's error.
+
+    torch re-raises a worker's exception in the main process as the same type with the
+    message ``"Caught DataError in DataLoader worker process 1.\nOriginal Traceback
+    ..."`` followed by the worker's traceback text; the original message is the text
+    after ``"<module>.<type>: "`` on the traceback's last exception line. So a corrupt
+    image is the same one line with 0 or N workers (the traceback stays in the chain).
+    """
+    text = str(exc)
+    if not _WORKER_ERROR.match(text):
+        return None
+    cls = type(exc)
+    names = {cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"}
+    lines = text.rstrip("\n").split("\n")
+    for i in range(len(lines) - 1, 0, -1):
+        name, sep, message = lines[i].partition(": ")
+        if name in names and sep:
+            try:
+                unwrapped = cls("\n".join([message, *lines[i + 1:]]))
+            except Exception:  # noqa: BLE001 - a type that takes other arguments: keep torch's
+                return None
+            unwrapped.__cause__ = exc
+            return unwrapped
+        if lines[i] in names:
+            return None  # an exception without a message: torch's text says more
+    return None
+
+
 class DetectionDataLoader(DataLoader):
-    """A ``DataLoader`` that turns a worker killed by a shared-memory bus error into a
-    ``RuntimeError`` saying what to do."""
+    """A ``DataLoader`` whose workers' errors read as without workers
+    (``unwrap_worker_error``), and that turns a worker killed by a shared-memory bus
+    error into a ``RuntimeError`` saying what to do."""
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         return self._iterate(super().__iter__())
@@ -177,7 +213,12 @@ class DetectionDataLoader(DataLoader):
                 batch = next(iterator)
             except StopIteration:
                 return
-            except RuntimeError as exc:
+            except Exception as exc:  # noqa: BLE001 - re-raised, unwrapped where a worker raised it
+                unwrapped = unwrap_worker_error(exc)
+                if unwrapped is not None:
+                    raise unwrapped from exc
+                if not isinstance(exc, RuntimeError):
+                    raise
                 if _is_bus_error(exc, iterator):
                     raise RuntimeError(f"{_SHM_ADVICE} (original error: {first_line(exc)})") from exc
                 raise

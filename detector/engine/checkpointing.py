@@ -32,19 +32,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from detector.config import Config, ConfigError, config_from_dict, config_to_dict
+from detector.config import Config, config_to_dict
 from detector.distributed import all_gather_object
 from detector.engine.optim import WarmupLRScheduler
+from detector.engine.resume_checks import (
+    CheckpointError,
+    check_loop_position,
+    check_optimizer_state,
+    check_rng_states,
+    warn_config_changes,
+)
 from detector.messages import DetectorError, first_line
 from detector.modeling.weights import WeightsError, load_weights, read_weights_file
 
 logger = logging.getLogger(__name__)
 
 _REQUIRED = ("model", "optimizer", "scheduler", "iteration")
-
-
-class CheckpointError(DetectorError, RuntimeError):
-    """A training checkpoint that cannot be read or does not fit."""
 
 
 class CheckpointWriteError(DetectorError, RuntimeError):
@@ -124,6 +127,7 @@ class TrainingState:
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "optimizer_type": type(self.optimizer).__name__,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "iteration": self.loop.iteration,
@@ -348,17 +352,6 @@ def load_checkpoint(path: "str | os.PathLike") -> Dict[str, Any]:
         raise CheckpointError(f"cannot load checkpoint {exc}") from None
 
 
-def _diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out.extend(_diff(va, vb, f"{prefix}{k}."))
-        elif va != vb:
-            out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
-    return out
-
-
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
     """The optimizer's per-parameter state (momentum, Adam moments) from ``saved``;
     its hyperparameters (LR, weight decay, momentum...) stay the current config's, so a
@@ -373,22 +366,14 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: Dict[str, Any
         logger.warning("resume: optimizer settings %s follow the current config, not the checkpoint", changed)
 
 
-def _warn_config_changes(stored: Any, cfg: Config) -> None:
-    if not isinstance(stored, dict):
-        return
-    try:
-        changed = _diff(config_to_dict(config_from_dict(stored)), config_to_dict(cfg))
-        if changed:
-            logger.warning("resume: config differs from the checkpoint's in: %s", ", ".join(changed))
-    except (ConfigError, ValueError) as exc:
-        logger.warning("resume: stored config not readable (%s)", exc)
-
-
 def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        scheduler: WarmupLRScheduler, scaler: torch.amp.GradScaler, cfg: Config) -> Dict[str, Any]:
-    """Check that ``path`` is a training checkpoint of this model, then restore model,
-    optimizer state, the schedule's position and the scaler from it; LRs and other
-    hyperparameters follow ``cfg``. Returns the whole checkpoint dict.
+                        scheduler: WarmupLRScheduler, scaler: torch.amp.GradScaler, cfg: Config,
+                        batches_per_epoch: Optional[int] = None, world_size: int = 1) -> Dict[str, Any]:
+    """Check that ``path`` is a training checkpoint of this model, with a valid training
+    state (``detector.engine.resume_checks``: loop position against
+    ``batches_per_epoch`` and ``world_size``, RNG states, optimizer type and groups),
+    then restore model, optimizer state, the schedule's position and the scaler from it;
+    LRs and other hyperparameters follow ``cfg``. Returns the whole checkpoint dict.
 
     Raises:
         CheckpointError: one line naming ``path`` and the problem (for another
@@ -403,6 +388,9 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
         load_weights(model, state["model"], strict=True, name=str(path))
     except WeightsError as exc:  # another architecture: names the first mismatched keys and shapes
         raise CheckpointError(f"--resume: {exc}") from None
+    check_loop_position(state, path, batches_per_epoch, world_size)
+    check_rng_states(state, path, get_rng_state, set_rng_state)
+    check_optimizer_state(state, optimizer, path)
     try:
         _load_optimizer_state(optimizer, state["optimizer"])
         scheduler.continue_at(int(state["scheduler"]["last_epoch"]))
@@ -410,7 +398,7 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
             scaler.load_state_dict(state["scaler"])
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"--resume: {path} does not fit this run's model or optimizer: {first_line(exc)}") from None
-    _warn_config_changes(state.get("config"), cfg)
+    warn_config_changes(state.get("config"), cfg)
     return state
 
 
@@ -428,16 +416,19 @@ class ResumePoint:
     extras: Optional[Dict[str, Any]] = None  # the checkpoint's early_stop and ema entries
 
 
-def resume_training(path: Path, state_fn: TrainingState, checkpointer: Checkpointer, rank: int) -> ResumePoint:
+def resume_training(path: Path, state_fn: TrainingState, checkpointer: Checkpointer, rank: int,
+                    batches_per_epoch: Optional[int] = None) -> ResumePoint:
     """Restore the run of ``path`` into ``state_fn``'s model, optimizer, scheduler and
-    scaler (``load_training_state``), count the folder's checkpoints as this run's
+    scaler (``load_training_state``; ``batches_per_epoch``: this rank's, to check the
+    checkpoint's position against), count the folder's checkpoints as this run's
     (``checkpointer.register_existing``) and return where the loop continues.
 
     Raises:
         CheckpointError: one line naming ``path`` and the problem.
     """
     s = state_fn
-    state = load_training_state(path, s.model, s.optimizer, s.scheduler, s.scaler, s.cfg)
+    state = load_training_state(path, s.model, s.optimizer, s.scheduler, s.scaler, s.cfg, batches_per_epoch,
+                                s.world_size)
     point = ResumePoint(int(state["iteration"]), int(state.get("epoch", 0)), int(state.get("epoch_position", 0)),
                         state.get("best_value"), None, {k: state.get(k) for k in ("early_stop", "ema")})
     per_rank = (state.get("rng") or {}).get("per_rank") or []

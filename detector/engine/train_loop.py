@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import nn
 
-from detector.distributed import barrier
+from detector.distributed import barrier, watch
 from detector.engine.checkpointing import set_rng_state
 from detector.engine.step import StepResult, TrainStep
 from detector.messages import first_line
@@ -111,11 +111,14 @@ class Trainer:
         on_close: called by ``close()`` in order (writers, the run folder).
         accumulate_steps: loader batches (micro-batches) per optimizer step
             (``solver.accumulate_steps``); an iteration is one optimizer step.
+        dist_info: the process's ``DistInfo``: with more than one rank, a step slow to
+            complete (a rank that does not answer) is logged (``detector.distributed.watch``).
     """
 
     def __init__(self, model: nn.Module, loader: Any, step: TrainStep, hooks: Sequence[Any], state: LoopState,
                  data_seed: int = 0, rng_state: Optional[Dict[str, Any]] = None, output_dir: Optional[Path] = None,
-                 on_close: Sequence[Callable[[], None]] = (), accumulate_steps: int = 1) -> None:
+                 on_close: Sequence[Callable[[], None]] = (), accumulate_steps: int = 1,
+                 dist_info: Optional[Any] = None) -> None:
         self.model = model
         self.loader = loader
         self.step = step
@@ -126,6 +129,7 @@ class Trainer:
         self._pending_rng = rng_state
         self._on_close = list(on_close)
         self.accumulate_steps = int(accumulate_steps)
+        self.dist_info = dist_info
 
     @property
     def model_without_ddp(self) -> nn.Module:
@@ -171,7 +175,7 @@ class Trainer:
             raise
         for hook in self.hooks:
             hook.after_train(state)
-        barrier()
+        barrier(self.dist_info)
         return TrainResult(state.iteration, state.status, dict(state.metrics), self.output_dir)
 
     def _epoch_batches(self) -> Iterator[Any]:
@@ -204,7 +208,8 @@ class Trainer:
                 micro = self._next_micro_batches(batches, state, n_batches)
                 if micro is None:
                     break
-                state.step = self.step.accumulate(micro, stop_requested=state.stop_requested is not None)
+                with watch(f"the training step of iteration {state.iteration + 1}", self.dist_info):
+                    state.step = self.step.accumulate(micro, stop_requested=state.stop_requested is not None)
                 state.iteration += 1
                 state.epoch_position += len(micro)
                 if state.step.stop and state.stop_requested is None:

@@ -44,6 +44,7 @@ from detector.engine.hooks import (EMAHook, EvalHook, MetricsWriter, NonFiniteGu
                                    PeriodicCheckpointer, SignalHook, Validator)
 from detector.engine.early_stop import EarlyStopping
 from detector.engine.ema import ModelEMA
+from detector.engine.memory import check_batch_memory
 from detector.engine.log import EventWriters, JSONLWriter, TensorBoardWriter
 from detector.engine.optim import build_lr_scheduler, build_optimizer, resolve_epoch_schedule
 from detector.engine.run_folder import RunFolder
@@ -90,7 +91,8 @@ def build_trainer(
     """
     if cfg.solver.max_iter <= 0 and cfg.solver.max_epochs <= 0:
         raise ValueError(f"solver.max_iter must be > 0 (or solver.max_epochs), got {cfg.solver.max_iter}")
-    dist = dist_info or init_distributed(cfg.train.device, backend=cfg.train.dist_backend)
+    dist = dist_info or init_distributed(cfg.train.device, backend=cfg.train.dist_backend,
+                                         timeout_s=cfg.train.dist_timeout_s)
     configure_torch(cfg)
     seed_everything(cfg.train.seed, dist.rank)
     folder = run_folder or RunFolder.open(Path(cfg.train.output_dir), resume, overwrite, dist.rank == 0,
@@ -109,6 +111,8 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     ``on_close`` gets the writers to close (before the folder is released)."""
     is_main, output_dir = dist.rank == 0, Path(cfg.train.output_dir)
     amp = resolve_amp(cfg.train.amp, dist.device)  # float16 on a CPU is refused before anything is built
+    # A batch that cannot fit is refused before anything is built (ranks on the CPU share the host's memory).
+    check_batch_memory(cfg, dist.device, dist.local_world_size if dist.device.type == "cpu" else 1)
     cfg, train_set = _training_data(cfg)
     loader = build_train_loader(cfg, train_set, dist.rank, dist.world_size)
     cfg = resolve_epoch_schedule(cfg, len(loader))  # before the scheduler, config.yaml and checkpoints
@@ -124,7 +128,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     checkpointer = Checkpointer(output_dir, training_state, is_main, cfg.train.keep_last, dist.world_size)
     resumed: Optional[ResumePoint] = None
     if folder.resume_from is not None:
-        resumed = resume_training(folder.resume_from, training_state, checkpointer, dist.rank)
+        resumed = resume_training(folder.resume_from, training_state, checkpointer, dist.rank, len(loader))
         state.iteration, state.epoch, state.epoch_position = resumed.iteration, resumed.epoch, resumed.epoch_position
 
     writers = _open_run_records(cfg, output_dir, state.iteration, resumed is not None, is_main)
@@ -138,7 +142,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     return Trainer(model, loader, step, hooks, state, data_seed=cfg.train.seed * 1000003 + dist.rank,
                    accumulate_steps=cfg.solver.accumulate_steps,
                    rng_state=resumed.rng_state if resumed is not None else None, output_dir=output_dir,
-                   on_close=on_close)
+                   on_close=on_close, dist_info=dist)
 
 
 def _build_ema(cfg: Config, model: nn.Module, training_state: TrainingState,

@@ -1,0 +1,173 @@
+"""Checks of a training checkpoint before ``--resume`` restores it.
+
+A checkpoint is input like any other: a crafted or damaged file must stop with one line
+naming the file and the field, never a traceback or a silently wrong run. Every check
+here runs before anything is restored:
+
+- the loop position (``iteration``, ``epoch``, ``epoch_position``) has integer types and
+  ranges that agree with each other, with the LR schedule's position and with the
+  number of batches per epoch of this run's data;
+- ``best_value`` is a finite number or null, ``world_size`` a positive integer;
+- each rank's RNG states (``rng.per_rank[r]``) restore: they are tried on this process
+  and the current states put back (one mechanism for any malformed entry);
+- the optimizer state is of this run's optimizer type (recorded as ``optimizer_type``;
+  inferred from the parameter groups of older files) with the same parameter groups.
+
+Also: ``warn_config_changes``, the warning that lists the keys a resumed run changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from detector.config import Config, ConfigError, config_from_dict, config_to_dict
+from detector.messages import DetectorError, first_line
+
+logger = logging.getLogger(__name__)
+
+INT64_MAX = 2**63 - 1
+
+
+class CheckpointError(DetectorError, RuntimeError):
+    """A training checkpoint that cannot be read or does not fit."""
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int or (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point()
+                                   and value.dtype != torch.bool)
+
+
+def _int_field(state: Dict[str, Any], name: str, path: Path, default: Optional[int] = None, low: int = 0,
+               high: int = INT64_MAX) -> int:
+    """``state[name]`` as an int in ``low..high`` (``default`` where absent and allowed)."""
+    if name not in state and default is not None:
+        return default
+    value = state.get(name)
+    if not _is_int(value):
+        raise CheckpointError(f"--resume: {path}: field '{name}' must be an integer, got {_show(value)}")
+    value = int(value)
+    if not low <= value <= high:
+        raise CheckpointError(f"--resume: {path}: field '{name}' is {value}; it must be in {low}..{high}")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if not isinstance(value, torch.Tensor) else f"a tensor {tuple(value.shape)} {value.dtype}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_loop_position(state: Dict[str, Any], path: Path, batches_per_epoch: Optional[int],
+                        world_size: int) -> None:
+    """The fields of the loop position, the schedule, ``best_value`` and ``world_size``
+    (see the module docstring). ``batches_per_epoch``: this rank's batches per epoch
+    now (None: not checked); ``world_size``: this run's."""
+    iteration = _int_field(state, "iteration", path)
+    _int_field(state, "epoch", path, default=0, high=iteration)
+    saved_world = _int_field(state, "world_size", path, default=world_size, low=1, high=2**31)
+    limit = INT64_MAX
+    if batches_per_epoch is not None:
+        # The same world size splits the data the same way; another one, at most the whole set.
+        limit = batches_per_epoch if saved_world == world_size else batches_per_epoch * world_size
+    _int_field(state, "epoch_position", path, default=0, high=limit)
+    scheduler = state.get("scheduler")
+    if not isinstance(scheduler, dict) or not _is_int(scheduler.get("last_epoch")):
+        raise CheckpointError(f"--resume: {path}: field 'scheduler.last_epoch' must be an integer, got "
+                              f"{_show(scheduler.get('last_epoch') if isinstance(scheduler, dict) else scheduler)}")
+    if int(scheduler["last_epoch"]) != iteration:
+        raise CheckpointError(f"--resume: {path}: field 'scheduler.last_epoch' is {int(scheduler['last_epoch'])} but "
+                              f"'iteration' is {iteration}; the LR schedule steps once per iteration")
+    best = state.get("best_value")
+    if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float)) or not math.isfinite(best)):
+        raise CheckpointError(f"--resume: {path}: field 'best_value' must be a finite number or null, got {_show(best)}")
+
+
+def check_rng_states(state: Dict[str, Any], path: Path,
+                     get_state: Any, set_state: Any) -> None:
+    """Each ``rng.per_rank[r]`` restores (tried with ``set_state``; the states of
+    ``get_state()`` are put back afterwards). Absent ``rng``: nothing to check."""
+    if "rng" not in state:
+        return
+    rng = state["rng"]
+    per_rank = rng.get("per_rank") if isinstance(rng, dict) else None
+    if not isinstance(per_rank, list):
+        raise CheckpointError(f"--resume: {path}: field 'rng' must be {{'per_rank': [one entry per rank]}}, "
+                              f"got {_show(rng)}")
+    current = get_state()
+    try:
+        for r, entry in enumerate(per_rank):
+            try:
+                if not isinstance(entry, dict):
+                    raise TypeError(f"expected a mapping, got {type(entry).__name__}")
+                set_state(entry)
+            except Exception as exc:  # noqa: BLE001 - any failure to restore is the file's fault
+                raise CheckpointError(f"--resume: {path}: field 'rng.per_rank[{r}]' does not restore: "
+                                      f"{type(exc).__name__}: {first_line(exc)}") from None
+    finally:
+        set_state(current)
+
+
+# torch optimizer class -> the keys only its parameter groups hold (to name an older file's type).
+_GROUP_SIGNS = {"SGD": ("momentum", "dampening", "nesterov"), "AdamW": ("betas", "eps", "amsgrad")}
+SOLVER_NAMES = {"SGD": "sgd", "AdamW": "adamw"}
+
+
+def optimizer_type(saved: Dict[str, Any]) -> Optional[str]:
+    """The optimizer class name of a saved optimizer state, from its parameter groups."""
+    groups = saved.get("param_groups") or []
+    keys = set(groups[0]) if groups and isinstance(groups[0], dict) else set()
+    found = [name for name, signs in _GROUP_SIGNS.items() if all(k in keys for k in signs)]
+    return found[0] if len(found) == 1 else None
+
+
+def check_optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """The saved optimizer is this run's type with the same parameter-group structure."""
+    saved = state.get("optimizer")
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups) or not isinstance(saved.get("state"), dict):
+        raise CheckpointError(f"--resume: {path}: field 'optimizer' must hold 'state' and 'param_groups' "
+                              "(a list of groups with 'params'), as torch's Optimizer.state_dict() writes")
+    now = type(optimizer).__name__
+    recorded = state.get("optimizer_type")
+    was = recorded if isinstance(recorded, str) else optimizer_type(saved)
+    if was is not None and was != now:
+        setting = SOLVER_NAMES.get(was)
+        advice = f"resume with solver.optimizer={setting}" if setting else "resume with the optimizer it was written by"
+        raise CheckpointError(
+            f"--resume: {path} holds the state of a {was} optimizer but this run's solver.optimizer="
+            f"{SOLVER_NAMES.get(now, now)} builds {now}; {advice}, or start from its weights with --weights")
+    saved_sizes: List[int] = [len(g["params"]) for g in groups]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != sizes:
+        raise CheckpointError(
+            f"--resume: {path}: its optimizer has {len(saved_sizes)} parameter group(s) of {saved_sizes} parameters, "
+            f"this run's has {len(sizes)} of {sizes}; solver.param_groups, the weight-decay settings of norms and "
+            "biases, or the trained layers (model.freeze_at, model.norm) differ from the run that wrote it")
+
+
+def _diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out.extend(_diff(va, vb, f"{prefix}{k}."))
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
+    return out
+
+
+def warn_config_changes(stored: Any, cfg: Config) -> None:
+    """Log the config keys that differ between a checkpoint's stored config and ``cfg``."""
+    if not isinstance(stored, dict):
+        return
+    try:
+        changed = _diff(config_to_dict(config_from_dict(stored)), config_to_dict(cfg))
+        if changed:
+            logger.warning("resume: config differs from the checkpoint's in: %s", ", ".join(changed))
+    except (ConfigError, ValueError) as exc:
+        logger.warning("resume: stored config not readable (%s)", exc)

@@ -1,0 +1,196 @@
+"""Hostile config files and command lines: each is one ``error:`` line naming the file
+or key, from ``tools/train.py`` run in-process, before any work starts (issue 23, part 4).
+
+One mechanism per class:
+- the YAML reader (``detector.config.yaml_reader.StrictLoader``) bounds nesting and the
+  size with aliases expanded, and refuses a key given twice;
+- ``base:`` must be one file name;
+- every integer key is bounded in the schema (int64 unless tighter: the seed's 32 bits,
+  image sizes up to ``MAX_IMAGE_SIDE``), and ``train.device`` must exist here;
+- ``detector.engine.memory.check_batch_memory`` refuses a batch that cannot fit;
+- overrides may follow ``--resume CKPT``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_CONFIG, load_tool, tiny_overrides
+from detector.config import ConfigError, load_config
+from detector.config.schema import MAX_IMAGE_SIDE
+from detector.engine.memory import GIB, batch_bytes, check_batch_memory
+
+# A billion-laughs bomb for YAML: 9 levels of 9 aliases each, about 9**9 strings expanded.
+ALIAS_BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+    f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.fixture(scope="module")
+def train_tool():
+    return load_tool("train")
+
+
+def run_train(train_tool, capsys, config: Path, *overrides: str, output_dir: Path) -> str:
+    """``tools/train.py --config config overrides``: asserts exit status 1 and one
+    ``error:`` line on stderr; returns that line."""
+    argv = ["--config", str(config), "--output-dir", str(output_dir), *overrides]
+    status = train_tool.main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 1, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# --------------------------------------------------------------------------- YAML files
+
+
+@pytest.mark.parametrize("base", ["[a.yaml, b.yaml]", "3", "{file: a.yaml}", "true"])
+def test_base_that_is_not_a_file_name(train_tool, capsys, tmp_path, base):
+    cfg = write(tmp_path / "c.yaml", f"base: {base}\nsolver: {{lr: 0.1}}\n")
+    line = run_train(train_tool, capsys, cfg, output_dir=tmp_path / "run")
+    assert str(cfg) in line and "'base:' names one config file" in line
+
+
+@pytest.mark.parametrize("text", [
+    "solver: " + "[" * 5000 + "]" * 5000 + "\n",
+    "solver:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 5000)),
+    "a0: &a0 [1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}]\n" for i in range(1, 2000)),
+], ids=["flow", "block", "alias_chain"])
+def test_deep_nesting_is_refused(train_tool, capsys, tmp_path, text):
+    cfg = write(tmp_path / "deep.yaml", text)
+    line = run_train(train_tool, capsys, cfg, output_dir=tmp_path / "run")
+    assert str(cfg) in line and "levels deep" in line
+
+
+def test_alias_bomb_is_refused_at_once(train_tool, capsys, tmp_path):
+    assert len(ALIAS_BOMB) <= 468
+    cfg = write(tmp_path / "bomb.yaml", ALIAS_BOMB)
+    t0 = time.perf_counter()
+    line = run_train(train_tool, capsys, cfg, output_dir=tmp_path / "run")
+    assert time.perf_counter() - t0 < 5
+    assert str(cfg) in line and "aliases" in line
+
+
+def test_self_referencing_alias_is_refused(tmp_path):
+    cfg = write(tmp_path / "loop.yaml", "solver: &s {steps: *s}\n")
+    with pytest.raises(ConfigError, match="alias contains itself"):
+        load_config(cfg)
+
+
+def test_small_anchors_and_aliases_still_work(tmp_path):
+    text = f"base: {TINY_CONFIG}\ninput: {{min_size_test: &size 72, max_size_test: *size}}\n"
+    cfg = write(tmp_path / "ok.yaml", text)
+    assert load_config(cfg).input.max_size_test == 72
+
+
+@pytest.mark.parametrize("text,key,lines", [
+    ("solver:\n  lr: 0.1\n  lr: 0.2\n", "lr", "lines 3 and 4"),
+    ("solver: {lr: 0.1}\nsolver: {max_iter: 3}\n", "solver", "lines 2 and 3"),
+])
+def test_duplicate_key_is_refused(train_tool, capsys, tmp_path, text, key, lines):
+    cfg = write(tmp_path / "dup.yaml", f"base: {TINY_CONFIG}\n{text}")
+    line = run_train(train_tool, capsys, cfg, output_dir=tmp_path / "run")
+    assert str(cfg) in line and f"key '{key}' is given twice ({lines})" in line
+
+
+def test_duplicate_key_in_a_base_file_names_that_file(tmp_path):
+    base = write(tmp_path / "base.yaml", "train:\n  seed: 1\n  seed: 2\n")
+    cfg = write(tmp_path / "c.yaml", "base: base.yaml\n")
+    with pytest.raises(ConfigError, match=f"^{base}: key 'seed' is given twice"):
+        load_config(cfg)
+
+
+def test_override_value_bomb_is_refused():
+    with pytest.raises(ConfigError, match="override 'solver.steps=.*levels deep"):
+        load_config(TINY_CONFIG, ["solver.steps=" + "[" * 3000 + "]" * 3000])
+
+
+# --------------------------------------------------------------------------- keys and ranges
+
+
+@pytest.mark.parametrize("override,expected", [
+    (f"solver.max_iter={2**63}", "config key 'solver.max_iter' must be in 1..9223372036854775807, got 9223372036854775808"),
+    (f"train.seed={2**70}", f"config key 'train.seed' must be in 0..4294967295, got {2**70}"),
+    ("train.seed=-1", "config key 'train.seed' must be in 0..4294967295, got -1"),
+    (f"train.eval_period={-2**64}", "config key 'train.eval_period' must be in -9223372036854775808..9223372036854775807"),
+    (f"solver.steps=[10,{2**64}]", "config key 'solver.steps[1]' is 18446744073709551616, which does not fit in a "
+                                   "64-bit integer"),
+    (f"data.shapes.num_train={2**63}", "config key 'data.shapes.num_train' must be in"),
+    ("input.min_size_train=[100000]", f"config key 'input.min_size_train' needs at least one size, each in "
+                                      f"1..{MAX_IMAGE_SIDE} (pixels), got [100000]"),
+    ("input.max_size_train=20000", f"config key 'input.max_size_train' must be in 1..{MAX_IMAGE_SIDE}, got 20000"),
+    ("input.min_size_test=0", f"config key 'input.min_size_test' must be in 1..{MAX_IMAGE_SIDE}, got 0"),
+])
+def test_integer_keys_are_bounded(train_tool, capsys, tmp_path, override, expected):
+    line = run_train(train_tool, capsys, TINY_CONFIG, override, output_dir=tmp_path / "run")
+    assert expected in line
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:7", "xla", "banana:0"])
+def test_device_this_machine_lacks(train_tool, capsys, tmp_path, device):
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    line = run_train(train_tool, capsys, TINY_CONFIG, f"train.device={device}", output_dir=tmp_path / "run")
+    assert f"config key 'train.device' is '{device}'" in line and "this machine has cpu" in line
+
+
+# --------------------------------------------------------------------------- memory of one batch
+
+
+def test_batch_that_cannot_fit_is_refused_before_work(train_tool, capsys, tmp_path):
+    overrides = ["solver.images_per_gpu=64", f"input.min_size_train=[{MAX_IMAGE_SIDE}]",
+                 f"input.max_size_train={MAX_IMAGE_SIDE}"]
+    t0 = time.perf_counter()
+    line = run_train(train_tool, capsys, TINY_CONFIG, *tiny_overrides(tmp_path / "data", None, *overrides),
+                     output_dir=tmp_path / "run")
+    assert time.perf_counter() - t0 < 20
+    assert "one training batch needs at least" in line
+    for key in ("solver.images_per_gpu=64", "input.min_size_train", "input.max_size_train", "model.backbone"):
+        assert key in line
+    assert not (tmp_path / "data").exists()  # refused before the data set was made
+
+
+def test_batch_memory_estimate(tmp_path):
+    cfg = load_config(TINY_CONFIG, ["input.min_size_train=[800]", "input.max_size_train=1333",
+                                    "model.backbone=resnet50", "solver.images_per_gpu=2"])
+    assert batch_bytes(cfg) == 2 * 800 * 1333 * 600
+    check_batch_memory(cfg, torch.device("cpu"), free=4 * GIB)  # fits
+    with pytest.raises(ConfigError, match=r"needs at least 2\.4 GiB .* x 2 ranks\) but cpu has 2\.0 GiB free"):
+        check_batch_memory(cfg, torch.device("cpu"), ranks_on_device=2, free=2 * GIB)
+    # the shorter side is capped by the longer side's limit
+    small = load_config(TINY_CONFIG, ["input.min_size_train=[5000]", "input.max_size_train=100"])
+    assert batch_bytes(small) == small.solver.images_per_gpu * 100 * 100 * 250
+
+
+# --------------------------------------------------------------------------- command line
+
+
+@pytest.mark.parametrize("argv,resume,overrides", [
+    (["--resume", "ck.pth", "solver.lr=0.1"], "ck.pth", ["solver.lr=0.1"]),
+    (["a.b=1", "--resume", "ck.pth", "solver.lr=0.1", "--overwrite", "c.d=2"], "ck.pth",
+     ["a.b=1", "solver.lr=0.1", "c.d=2"]),
+    (["--resume", "solver.lr=0.1", "x.y=2"], True, ["solver.lr=0.1", "x.y=2"]),
+    (["--resume"], True, []),
+])
+def test_overrides_after_resume_are_accepted(train_tool, argv, resume, overrides):
+    args = train_tool.parse_args(["--config", "c.yaml", *argv])
+    assert args.resume == resume and args.overrides == overrides
+
+
+def test_override_after_resume_checkpoint_reaches_the_config(train_tool, capsys, tmp_path):
+    """The override after ``--resume CKPT`` is applied: an out-of-range value in that place
+    is refused by the config check (before it would have been an argparse usage error)."""
+    line = run_train(train_tool, capsys, TINY_CONFIG, "--resume", str(tmp_path / "ck.pth"), "solver.lr=-1",
+                     output_dir=tmp_path / "run")
+    assert "config key 'solver.lr' must be > 0, got -1" in line
