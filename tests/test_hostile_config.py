@@ -120,7 +120,7 @@ def test_override_value_bomb_is_refused():
 
 
 @pytest.mark.parametrize("override,expected", [
-    (f"solver.max_iter={2**63}", "config key 'solver.max_iter' must be in 1..9223372036854775807, got 9223372036854775808"),
+    (f"solver.max_iter={2**63}", "config key 'solver.max_iter' must be in 0..9223372036854775807 (0: from solver.max_epochs), got 9223372036854775808"),
     (f"train.seed={2**70}", f"config key 'train.seed' must be in 0..4294967295, got {2**70}"),
     ("train.seed=-1", "config key 'train.seed' must be in 0..4294967295, got -1"),
     (f"train.eval_period={-2**64}", "config key 'train.eval_period' must be in -9223372036854775808..9223372036854775807"),
