@@ -125,6 +125,9 @@ NOT_RUN: List[Tuple[str, str]] = [
      "two agents on one machine: run by tests/test_resume_elastic.py::test_two_nodes_train_to_the_end"),
     (r"^torchrun --nproc_per_node=2 tools/train\.py .*train\.dist_backend=gloo", "needs a GPU (tests/test_gpu_dist.py)"),
     (r"/data/VOCdevkit|/data/mine", "the user's data: run on real data by tests/test_own_data.py (realdata)"),
+    (r"^python tools/eval\.py --predictions \.\./shared/data/real/coco_eval_val2014_100/",
+     "the project's real data folder (absent in a clone): run by "
+     "tests/test_error_analysis.py::test_analysis_on_the_real_coco_results_file (realdata)"),
     (r"tools/benchmark\.py|detector\.benchmark\.|benchmarks[./]|^python tests/cases\.py ",
      "a measurement of minutes (docs/performance.md); tested by tests/test_benchmark*.py"),
     (r"faster_rcnn_r50_fpn_1x_coco\.yaml --resume|configs/faster_rcnn_r50_fpn_1x_coco\.yaml$",

@@ -13,7 +13,8 @@ images and categories are matched to the ground truth by file and class name):
     python tools/eval.py --predictions dets.json --voc-root VOCdevkit/VOC2012 --voc-split val
 
 Writes metrics.json, detections.json, per_class.csv, pr_curves.png and
-confusion_matrix.png into --output-dir; prints the metrics table. Exit status 1
+confusion_matrix.png into --output-dir; prints the metrics table. With --analysis, also
+the error breakdown (into --output-dir/analysis). Exit status 1
 with a one-line message on bad input.
 """
 
@@ -50,6 +51,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--voc-root", help="VOC year folder as ground truth (file mode), e.g. VOCdevkit/VOC2012")
     p.add_argument("--voc-split", default="val", help="ImageSets/Main list with --voc-root (default: val)")
     p.add_argument("--output-dir", help="where to write metrics.json, detections.json, per_class.csv, plots")
+    p.add_argument("--analysis", action="store_true", help="also break the errors down (classification, localisation, "
+                   "both, duplicate, background, missed): analysis.json, analysis.csv, analysis.png and the worst "
+                   "images drawn under --output-dir/analysis")
+    p.add_argument("--analysis-images", type=int, default=10, help="with --analysis: how many worst images to draw "
+                   "(default 10)")
+    p.add_argument("--image-dir", help="with --analysis: the images' folder, to draw the worst images on them "
+                   "(default: a grey canvas in file mode, data.val.root for COCO data in model mode)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.backend=faster")
     args = p.parse_args(argv)
     model_mode = bool(args.config or args.weights)
@@ -63,6 +71,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error("file mode needs --predictions")
         if bool(args.annotations) == bool(args.voc_root):
             p.error("file mode needs exactly one of --annotations or --voc-root")
+    if model_mode and args.analysis and not args.output_dir:
+        p.error("--analysis with --config/--weights needs --output-dir (it reads the detections.json written there)")
+    if args.analysis_images < 0:
+        p.error(f"--analysis-images must be >= 0, got {args.analysis_images}")
     if not (model_mode or file_mode):
         p.error("give --config and --weights, or --predictions with --annotations/--voc-root")
     return args
@@ -98,7 +110,19 @@ def score_file(args: argparse.Namespace) -> int:
     if args.output_dir:
         write_outputs(report, results, args.output_dir)
         print(f"results written to {args.output_dir}")
+    if args.analysis:
+        analyse(args, gt, results, cfg.eval.score_thresh, args.image_dir)
     return 0
+
+
+def analyse(args: argparse.Namespace, gt, results, score_thresh: float, image_dir: Optional[str]) -> None:
+    """``--analysis``: the error breakdown printed, and written under --output-dir/analysis."""
+    from detector.evaluation.analysis import format_analysis, run_analysis
+
+    out = Path(args.output_dir) / "analysis" if args.output_dir else None
+    print(format_analysis(run_analysis(gt, results, out, score_thresh, args.analysis_images, image_dir)))
+    if out is not None:
+        print(f"error analysis written to {out}")
 
 
 def run_model(args: argparse.Namespace) -> int:
@@ -123,9 +147,21 @@ def run_model(args: argparse.Namespace) -> int:
         evaluate(model, dataset, cfg, output_dir=args.output_dir)
         if info.rank == 0 and args.output_dir:
             print(f"results written to {args.output_dir}")
+        if info.rank == 0 and args.analysis:
+            analyse_model_run(args, cfg, dataset)
     finally:
         cleanup()
     return 0
+
+
+def analyse_model_run(args: argparse.Namespace, cfg, dataset) -> None:
+    """``--analysis`` in model mode: the detections evaluate() wrote, against the val set."""
+    from detector.evaluation import load_predictions
+
+    gt = dataset.coco_gt()
+    results = load_predictions(Path(args.output_dir) / "detections.json", gt)
+    image_dir = args.image_dir or (cfg.data.val.root if cfg.data.format == "coco" else None)
+    analyse(args, gt, results, cfg.eval.score_thresh, image_dir)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -58,6 +58,7 @@ def infer(args: argparse.Namespace) -> int:
     from detector.modeling.weights import load_model_weights
     from detector.distributed import resolve_device
     from detector.evaluation import list_images, predict_files, write_json
+    from detector.evaluation.tta import tta_settings
     from detector.modeling import build_model
 
     cfg = load_config(args.config, args.overrides)
@@ -73,6 +74,7 @@ def infer(args: argparse.Namespace) -> int:
         class_names_for(cfg),
         transform=build_transforms(cfg, is_train=False, seed=0),
         score_thresh=args.score_thresh,
+        tta=tta_settings(cfg),
     )
     write_json(Path(args.output_dir) / "detections.json", records)
     print(f"{len(records)} image(s) written to {args.output_dir}")

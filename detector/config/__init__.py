@@ -25,6 +25,7 @@ from .schema import (
     InputConfig,
     LSJConfig,
     ModelConfig,
+    NMSConfig,
     ParamGroupRule,
     ROIHeadsConfig,
     RPNConfig,
@@ -32,6 +33,7 @@ from .schema import (
     SolverConfig,
     SplitConfig,
     TrainConfig,
+    TTAConfig,
 )
 from .validation import ConfigError, validate_config
 
@@ -46,6 +48,7 @@ __all__ = [
     "InputConfig",
     "LSJConfig",
     "ModelConfig",
+    "NMSConfig",
     "ParamGroupRule",
     "ROIHeadsConfig",
     "RPNConfig",
@@ -53,6 +56,7 @@ __all__ = [
     "SolverConfig",
     "SplitConfig",
     "TrainConfig",
+    "TTAConfig",
     "config_from_dict",
     "config_to_dict",
     "config_to_yaml",

@@ -112,6 +112,19 @@ class RPNConfig:
 
 
 @dataclass
+class NMSConfig:
+    # Test-time NMS of the detections, per class. hard: torchvision's batched_nms at
+    # roi_heads.nms_thresh. soft: Soft-NMS (Bodla et al. 2017), decaying the scores of
+    # overlapping boxes instead of removing them: linear (1 - IoU above
+    # roi_heads.nms_thresh) or gaussian (exp(-IoU^2 / sigma)); a box whose decayed score
+    # falls below score_thresh is dropped. (detector/ops/soft_nms.py)
+    type: str = field_("hard", choices=("hard", "soft"))
+    method: str = field_("linear", choices=("linear", "gaussian"))
+    sigma: float = field_(0.5, gt=0)
+    score_thresh: float = field_(0.001, ge=0, le=1)
+
+
+@dataclass
 class ROIHeadsConfig:
     fg_iou_thresh: float = field_(0.5, gt=0, le=1)
     bg_iou_lo: float = field_(0.0, ge=0, le=1)
@@ -128,6 +141,7 @@ class ROIHeadsConfig:
     nms_thresh: float = field_(0.5, gt=0, le=1)
     detections_per_img: int = field_(100, ge=1)
     min_box_size: float = field_(1e-2, ge=0)  # pixels, detections smaller than this are removed
+    nms: NMSConfig = field(default_factory=NMSConfig)
 
 
 @dataclass
@@ -326,6 +340,17 @@ class TrainConfig:
 
 
 @dataclass
+class TTAConfig:
+    # Test-time augmentation (detector/evaluation/tta.py): the model runs once per
+    # shorter-side size (longer side capped at input.max_size_test), and with flip also
+    # on the horizontally flipped image; the boxes, mapped back to the original image,
+    # are merged and NMS'd per class (roi_heads.nms) and the top
+    # roi_heads.detections_per_img kept. [] (the default) turns TTA off.
+    sizes: List[int] = field(default_factory=list)
+    flip: bool = False
+
+
+@dataclass
 class EvalConfig:
     # pycocotools or faster (faster-coco-eval).
     backend: str = field_("pycocotools", choices=("pycocotools", "faster"))
@@ -342,6 +367,7 @@ class EvalConfig:
     # With train.ema.enabled: evaluate the EMA weights (they choose best.pth; the raw
     # weights' metrics are logged as raw/<metric>); false: the raw ones (EMA as ema/<metric>).
     use_ema: bool = True
+    tta: TTAConfig = field(default_factory=TTAConfig)
 
 
 @dataclass

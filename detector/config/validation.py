@@ -290,6 +290,8 @@ def _check_recipe_keys(cfg: Config) -> None:
     if lsj.min_scale > lsj.max_scale:
         raise ConfigError(f"config key 'input.lsj.min_scale' ({lsj.min_scale}) must be <= input.lsj.max_scale "
                           f"({lsj.max_scale})")
+    if any(s < 1 for s in cfg.eval.tta.sizes):
+        raise ConfigError(f"config key 'eval.tta.sizes' takes shorter-side sizes >= 1 ([] = off), got {cfg.eval.tta.sizes}")
     if any(s < 1 for s in cfg.solver.steps):
         raise ConfigError(f"config key 'solver.steps' takes iterations >= 1, got {cfg.solver.steps}")
     if len(cfg.solver.betas) != 2 or not all(0 <= b < 1 for b in cfg.solver.betas):

@@ -26,6 +26,7 @@ from detector.data.files import DataError, load_image
 
 from .plots import render
 from .results import Detections
+from .tta import TTASettings, tta_forward
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ def run_inference(
     amp_dtype: torch.dtype = torch.float16,
     progress: bool = True,
     skip_unmapped: bool = False,
+    tta: Optional[TTASettings] = None,
 ) -> InferenceOutput:
     """Run ``model`` in eval mode under ``torch.inference_mode()`` over ``loader``.
 
@@ -149,6 +151,7 @@ def run_inference(
         progress: show a tqdm bar (the caller turns it off on ranks other than 0).
         skip_unmapped: leave out detections whose label ``label_to_category_id`` lacks
             (see :func:`detections_of_image`) instead of raising.
+        tta: test-time augmentation (``detector.evaluation.tta``); None = one plain pass.
 
     The model's train/eval mode is restored afterwards.
     """
@@ -167,7 +170,7 @@ def run_inference(
                 _sync(device)
                 start = time.perf_counter()
                 with _autocast(device, amp, amp_dtype):
-                    outputs = net(list(images))
+                    outputs = _forward(net, list(images), [t["orig_size"] for t in targets], tta)
                 _sync(device)
                 elapsed = time.perf_counter() - start
                 seconds.extend([elapsed / max(len(images), 1)] * len(images))
@@ -180,6 +183,15 @@ def run_inference(
     finally:
         net.train(was_training)
     return InferenceOutput(detections=Detections.concatenate(parts), image_ids=image_ids, seconds=seconds)
+
+
+def _forward(net: nn.Module, images: List[torch.Tensor], orig_sizes: Sequence[Any],
+             tta: Optional[TTASettings]) -> List[Dict[str, torch.Tensor]]:
+    """``net(images)``, or with ``tta`` its test-time augmented detections (same frame)."""
+    if tta is None:
+        return net(images)
+    sizes = [tuple(int(v) for v in torch.as_tensor(s).reshape(2).tolist()) for s in orig_sizes]
+    return tta_forward(net, images, sizes, tta)
 
 
 @contextlib.contextmanager
@@ -269,6 +281,7 @@ def predict_image(
     image: np.ndarray,
     transform: Optional[Callable] = None,
     score_thresh: float = 0.5,
+    tta: Optional[TTASettings] = None,
 ) -> Dict[str, torch.Tensor]:
     """Detections of one image, in its own pixel coordinates.
 
@@ -278,6 +291,7 @@ def predict_image(
         transform: the eval transform (``build_transforms(cfg, is_train=False)``) to
             resize the image like the evaluation does; None = the image as is.
         score_thresh: detections below it are dropped.
+        tta: test-time augmentation (``detector.evaluation.tta``); None = one plain pass.
 
     Returns:
         ``boxes`` float32 [M, 4] xyxy original pixels, ``scores`` [M], ``labels`` [M].
@@ -293,7 +307,7 @@ def predict_image(
         "scale": torch.tensor([new_w / w, new_h / h], dtype=torch.float32),
         "orig_size": torch.tensor([h, w]),
     }
-    out = net([tensor.to(model_device(net))])[0]
+    out = _forward(net, [tensor.to(model_device(net))], [(h, w)], tta)[0]
     keep = out["scores"] >= score_thresh
     return {
         "boxes": to_original_boxes(out["boxes"][keep], target),
@@ -320,11 +334,12 @@ def predict_files(
     class_names: Sequence[str],
     transform: Optional[Callable] = None,
     score_thresh: float = 0.5,
+    tta: Optional[TTASettings] = None,
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Detect on each file, write ``<output_dir>/<stem>.png`` with the boxes drawn.
 
     A file that cannot be read (missing, corrupt, unsupported pixel type) is skipped with
-    a warning naming it; the others are still processed.
+    a warning naming it; the others are still processed. ``tta``: see :func:`predict_image`.
 
     Returns:
         ``(records, skipped)``: one JSON-ready record per readable file (``file``,
@@ -346,7 +361,7 @@ def predict_files(
                 logger.warning("skipped: %s", exc)
                 skipped.append(str(exc))
                 continue
-            det = predict_image(net, image, transform, score_thresh)
+            det = predict_image(net, image, transform, score_thresh, tta)
             drawn = draw_predictions(image, det, class_names)
             Image.fromarray(drawn.permute(1, 2, 0).numpy()).save(out_dir / f"{Path(path).stem}.png")
             labels = det["labels"].tolist()

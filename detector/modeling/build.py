@@ -6,7 +6,7 @@ from ..config import Config
 from .anchors import AnchorGenerator
 from .backbone import ResNetFPN, build_resnet_fpn
 from .faster_rcnn import FasterRCNN
-from .roi_heads import FastRCNNPredictor, MultiLevelRoIAlign, ROIHeads, TwoMLPHead
+from .roi_heads import FastRCNNPredictor, MultiLevelRoIAlign, ROIHeads, SoftNMSSettings, TwoMLPHead
 from .rpn import RegionProposalNetwork, RPNHead
 
 
@@ -95,4 +95,5 @@ def build_roi_heads(cfg: Config, backbone: ResNetFPN) -> ROIHeads:
         nms_thresh=h.nms_thresh,
         detections_per_img=h.detections_per_img,
         min_box_size=h.min_box_size,
+        nms=SoftNMSSettings(h.nms.method, h.nms.sigma, h.nms.score_thresh) if h.nms.type == "soft" else None,
     )

@@ -7,14 +7,14 @@ Shapes: R RoIs in the batch, C = K + 1 classes (0 = background).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.ops import batched_nms, box_area
 
-from ..ops import multi_level_roi_align, roi_align
+from ..ops import batched_soft_nms, multi_level_roi_align, roi_align
 from .box_coder import BoxCoder, clip_boxes
 from .losses import weighted_smooth_l1
 from .matching import IGNORE, match_by_iou, pad_boxes, pad_rows, sample_minibatch
@@ -126,6 +126,17 @@ def class_specific_targets(deltas: Tensor, labels: Tensor, num_classes_with_bg: 
     return targets, inside
 
 
+class SoftNMSSettings(NamedTuple):
+    """Soft-NMS at test time (``roi_heads.nms`` with ``type: soft``): the decay
+    ``method`` (``linear`` | ``gaussian``), the Gaussian ``sigma``, and the
+    ``score_thresh`` below which a decayed box is dropped. The linear rule's IoU
+    threshold is the head's ``nms_thresh``."""
+
+    method: str = "linear"
+    sigma: float = 0.5
+    score_thresh: float = 0.001
+
+
 class ROIHeads(nn.Module):
     """Box branch of Faster R-CNN.
 
@@ -139,6 +150,8 @@ class ROIHeads(nn.Module):
         box_coder_weights: e.g. (10, 10, 5, 5).
         sigma: the weighted SmoothL1's sigma.
         score_thresh, nms_thresh, detections_per_img, min_box_size: post-processing.
+        nms: ``SoftNMSSettings`` for Soft-NMS per class, None for hard NMS (torchvision's
+            ``batched_nms`` at ``nms_thresh``).
     """
 
     def __init__(
@@ -158,6 +171,7 @@ class ROIHeads(nn.Module):
         nms_thresh: float = 0.5,
         detections_per_img: int = 100,
         min_box_size: float = 1e-2,
+        nms: Optional[SoftNMSSettings] = None,
     ) -> None:
         super().__init__()
         self.box_roi_pool = pooler
@@ -175,6 +189,7 @@ class ROIHeads(nn.Module):
         self.nms_thresh = nms_thresh
         self.detections_per_img = detections_per_img
         self.min_box_size = min_box_size
+        self.soft_nms = nms
 
     # ------------------------------------------------------------------ training
 
@@ -264,6 +279,11 @@ class ROIHeads(nn.Module):
         w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
         keep = torch.where((w >= self.min_box_size) & (h >= self.min_box_size))[0]
         boxes, s, labels = boxes[keep], s[keep], labels[keep]
+        if self.soft_nms is not None:
+            keep, s = batched_soft_nms(boxes, s, labels, self.soft_nms.method, self.nms_thresh,
+                                       self.soft_nms.sigma, self.soft_nms.score_thresh)
+            keep, s = keep[: self.detections_per_img], s[: self.detections_per_img]
+            return {"boxes": boxes[keep], "scores": s, "labels": labels[keep]}
         keep = batched_nms(boxes, s, labels, self.nms_thresh)[: self.detections_per_img]
         return {"boxes": boxes[keep], "scores": s[keep], "labels": labels[keep]}
 

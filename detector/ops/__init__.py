@@ -6,10 +6,13 @@ in one process (docs/performance.md), and each giving the library operator's val
   vectorised (sparse-product) CPU backward;
 - ``stem_max_pool``: the ResNet stem's max pool without a gradient on the CPU.
 
+and ops the library lacks: ``soft_nms``, ``batched_soft_nms`` (Soft-NMS, Bodla et al. 2017).
+
 The floor under ``detector.modeling``: it imports torch and torchvision only.
 """
 
 from .max_pool import stem_max_pool, stem_pool_by_views
 from .roi_align import multi_level_roi_align, roi_align
+from .soft_nms import batched_soft_nms, soft_nms
 
-__all__ = ["multi_level_roi_align", "roi_align", "stem_max_pool", "stem_pool_by_views"]
+__all__ = ["batched_soft_nms", "multi_level_roi_align", "roi_align", "stem_max_pool", "stem_pool_by_views", "soft_nms"]
