@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
+from typing import List, Optional
 
 import numpy as np
 
@@ -40,5 +41,14 @@ def write_coco_file(path: str | os.PathLike, num_images: int, num_boxes: int, se
         f.write("]}")
 
 
-if __name__ == "__main__":  # OUT.json NUM_IMAGES NUM_BOXES
-    write_coco_file(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description="Write a generated COCO-style annotation file of any size.")
+    p.add_argument("out", help="the JSON file to write")
+    p.add_argument("num_images", type=int)
+    p.add_argument("num_boxes", type=int)
+    args = p.parse_args(argv)
+    write_coco_file(args.out, args.num_images, args.num_boxes)
+
+
+if __name__ == "__main__":
+    main()
