@@ -134,8 +134,11 @@ class EvalHook(HookBase):
             if self.best_metric not in metrics:
                 logger.warning("train.best_metric=%r is not among the evaluation metrics %s; best.pth not written",
                                self.best_metric, sorted(metrics))
-            elif math.isfinite(metrics[self.best_metric]) and (
-                    self.best_value is None or metrics[self.best_metric] > self.best_value):
+            elif not math.isfinite(metrics[self.best_metric]) or metrics[self.best_metric] == -1.0:
+                # -1 is pycocotools' "no ground truth in range": a missing metric never chooses a checkpoint
+                logger.warning("%s is %s at iteration %d: no ground truth to score (a val set without boxes?); "
+                               "best.pth not chosen", self.best_metric, metrics[self.best_metric], iteration)
+            elif self.best_value is None or metrics[self.best_metric] > self.best_value:
                 value = metrics[self.best_metric]
         value = value if self.world_size == 1 else all_gather_object(value)[0]
         if value is None:
