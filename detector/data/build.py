@@ -132,6 +132,7 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
                             label_space=data.label_space)
     return _ready(dataset, cfg, split, is_train)
 
+
 def _ready(dataset: DetectionDataset, cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     """``dataset`` with ``data.apply_exif`` set; a training set must have a box to learn from.
 
