@@ -241,8 +241,9 @@ def test_sigterm_mid_run_checkpoints_and_resumes(data_root, tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stdout
+    assert proc.returncode == 128 + signal.SIGTERM, stdout  # 143: `train && eval` must not carry on
     assert "Traceback" not in stdout and "stopped by SIGTERM" in stdout
+    assert "interrupted by SIGTERM" in stdout and "val metrics" not in stdout
     state = load_checkpoint(out / "checkpoints" / "last.pth")
     stopped = state["iteration"]
     assert 2 <= stopped < 1000

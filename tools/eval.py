@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
+from detector.files import output_folder  # noqa: E402
 
 logger = logging.getLogger("detector.tools.eval")
 
@@ -135,6 +136,8 @@ def run_model(args: argparse.Namespace) -> int:
     from detector.modeling import build_model
 
     cfg = load_config(args.config, args.overrides)
+    if args.output_dir:
+        output_folder(args.output_dir, "--output-dir")  # a file or a read-only folder: one line, before any work
     info = init_distributed(cfg.train.device, backend=cfg.train.dist_backend, timeout_s=cfg.train.dist_timeout_s)
     try:
         setup_logging(args.output_dir, rank=info.rank)

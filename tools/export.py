@@ -136,7 +136,6 @@ def export(args: argparse.Namespace) -> int:
     images = test_images(tuple(args.image_size or default_image_size(cfg)), args.image)
     output = Path(args.output)
     if not args.verify_only:
-        output.parent.mkdir(parents=True, exist_ok=True)
         metadata = export_metadata(class_names_for(cfg), cfg.input.min_size_test, cfg.input.max_size_test)
         export_model(model, args.format, output, images[0], opset=args.opset, metadata=metadata)
         print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {args.format})")

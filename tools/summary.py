@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
+from detector.files import write_text  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.summary import default_image_size, format_summary, model_summary  # noqa: E402
 
@@ -61,8 +62,7 @@ def summarize(args: argparse.Namespace) -> int:
     summary = model_summary(build_model(cfg), size)
     print(format_summary(summary))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        write_text(args.json, json.dumps(summary.to_dict(), indent=2) + "\n")
         print(f"summary written to {args.json}")
     return 0
 

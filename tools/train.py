@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from detector.cli import report_error, run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector import distributed  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
-from detector.engine.run_folder import RunFolder, check_output_dir  # noqa: E402
+from detector.engine.run_folder import RunFolder, check_output_dir, check_run_folder_apart_from_data  # noqa: E402
 from detector.engine.trainer import train  # noqa: E402
 from detector.messages import DetectorError  # noqa: E402
 
@@ -72,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
                     interrupted="interrupted by a second signal; resume from the last checkpoint written")
 
 
+def interrupted_exit_status(signal_name: str | None) -> int:
+    """128 + the signal's number (SIGTERM 143, SIGINT 130); 143 when another rank got it."""
+    try:
+        return 128 + int(signal.Signals[signal_name or "SIGTERM"])
+    except KeyError:
+        return 128 + int(signal.SIGTERM)
+
+
 def run(args: argparse.Namespace) -> int:
     """Train in the run folder (one process of a distributed launch); rank 0 prints the
     final metrics. A collective that fails because a peer process died: one line naming it."""
@@ -85,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, overrides)
         check_output_dir(cfg.train.output_dir)
+        check_run_folder_apart_from_data(cfg)
         info = distributed.init_distributed(cfg.train.device, backend=cfg.train.dist_backend,
                                             timeout_s=cfg.train.dist_timeout_s)
         rank = info.rank
@@ -103,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
         return status
     finally:
         distributed.cleanup()
+    if result.status == "interrupted":  # not finished: non-zero, as `timeout` and shells expect
+        if rank == 0:
+            print(f"interrupted by {result.stop_reason or 'a signal'} at iteration {result.iteration}: the run is not "
+                  f"finished; continue it with --resume (run folder: {result.output_dir})", file=sys.stderr)
+        return interrupted_exit_status(result.stop_reason)
     if rank == 0:  # (the final metrics were logged once, as the evaluator's table)
         print(f"{result.status} at iteration {result.iteration}; run folder: {result.output_dir}")
     return 0

@@ -19,6 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from detector.files import write_text
 from detector.messages import first_line
 
 from .schema import Config
@@ -173,6 +174,4 @@ def config_to_yaml(cfg: Config) -> str:
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (loadable again by ``load_config``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config_to_yaml(cfg))
+    write_text(path, config_to_yaml(cfg))

@@ -179,6 +179,10 @@ class DataConfig:
     label_space: str = field_("contiguous", choices=("contiguous", "category_id"))
     filter_empty: bool = True
     use_difficult: bool = False
+    # Images with an EXIF orientation (a camera's rotation): false reads the pixels as
+    # stored (with a warning naming the file), true turns them as viewers show them, for
+    # boxes annotated on the displayed image (sizes are then checked on the turned image).
+    apply_exif: bool = False
     shapes: ShapesConfig = field(default_factory=ShapesConfig)
     num_workers: int = field_(2, ge=0, note="(0 loads in the main process)")
     persistent_workers: bool = True

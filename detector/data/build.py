@@ -118,19 +118,35 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
         dataset: DetectionDataset = CocoDetection(sc.root, sc.ann_file, transforms=transforms, filter_empty=filter_empty,
                                                   use_difficult=data.use_difficult, class_names=names,
                                                   label_space=data.label_space)
-        return _with_paste_source(_check_first_images(dataset, f"data.{split}.root"))
+        return _ready(_check_first_images(dataset, f"data.{split}.root"), cfg, split, is_train)
     if data.format == "voc":
         dataset = VOCDetection(sc.root, sc.split or split, class_names=names, transforms=transforms,
                                filter_empty=filter_empty, use_difficult=data.use_difficult, require_every_class=is_train)
-        return _with_paste_source(_check_first_images(dataset, f"data.{split}.root"))
+        return _ready(_check_first_images(dataset, f"data.{split}.root"), cfg, split, is_train)
     s = data.shapes
     root = ensure_shapes(sc.root, s.num_train, s.num_val, s.seed, s.min_side, s.max_side)
     name = sc.split or split
     # Each format reads its own keys only: a shapes folder's annotations are <root>/<split>.json,
     # whatever data.<split>.ann_file (a COCO key, e.g. inherited from a COCO base config) says.
-    return _with_paste_source(CocoDetection(Path(root) / name, Path(root) / f"{name}.json", transforms=transforms,
-                                            filter_empty=filter_empty, use_difficult=data.use_difficult,
-                                            class_names=names, label_space=data.label_space))
+    dataset = CocoDetection(Path(root) / name, Path(root) / f"{name}.json", transforms=transforms,
+                            filter_empty=filter_empty, use_difficult=data.use_difficult, class_names=names,
+                            label_space=data.label_space)
+    return _ready(dataset, cfg, split, is_train)
+
+
+def _ready(dataset: DetectionDataset, cfg: Config, split: str, is_train: bool) -> DetectionDataset:
+    """``dataset`` with ``data.apply_exif`` set; a training set must have a box to learn from.
+
+    Raises:
+        DataError: a training set without any training box, one line naming it.
+    """
+    dataset.apply_exif = cfg.data.apply_exif
+    _with_paste_source(dataset)
+    if is_train and dataset.num_training_boxes() == 0:
+        untrained = "crowd boxes do not train" if cfg.data.use_difficult else "crowd and difficult boxes do not train"
+        raise DataError(f"{dataset.source}: no training boxes in its {len(dataset)} images (data.{split}; {untrained}): "
+                        "nothing to learn; check the annotation file and data.class_names")
+    return dataset
 
 
 def _with_paste_source(dataset: DetectionDataset) -> DetectionDataset:

@@ -21,7 +21,7 @@ from detector.config import Config
 
 from .coco import parse_coco
 from .dataset import ImageRecord, Issues
-from .files import DataError, load_image
+from .files import DataError, decode_image
 from .voc import VOC_CLASSES, parse_voc
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ class CheckReport:
     past_edge_boxes: int = 0
     non_integer_boxes: int = 0  # VOC boxes with fractional coordinates: accepted, reported
     non_integer_examples: List[str] = field(default_factory=list)
+    exif_rotated: List[str] = field(default_factory=list)  # EXIF orientation 2..8, read as stored (warning)
+    apply_exif: bool = False
     other_classes: Dict[str, int] = field(default_factory=dict)  # boxes outside data.class_names, dropped
     missing_files: List[str] = field(default_factory=list)
     unreadable_files: List[str] = field(default_factory=list)
@@ -113,7 +115,7 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
         report = CheckReport(source=source)
         report.errors.append(str(exc))
         return report
-    report = CheckReport(source=source, num_images=len(records))
+    report = CheckReport(source=source, num_images=len(records), apply_exif=cfg.data.apply_exif)
     report.errors.extend(issues.errors)
     report.degenerate_boxes = issues.skipped.get("degenerate", 0)
     report.outside_boxes = issues.skipped.get("outside", 0)
@@ -137,7 +139,7 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
         box_sizes.extend(((r.boxes[:, 2] - r.boxes[:, 0]) * (r.boxes[:, 3] - r.boxes[:, 1])).tolist())
         if decode:
             try:
-                image = load_image(r.path, r.image_id)
+                image, orientation = decode_image(r.path, r.image_id, cfg.data.apply_exif)
             except FileNotFoundError as exc:
                 report.missing_files.append(r.path)
                 report.errors.append(str(exc))
@@ -146,6 +148,8 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
                 report.unreadable_files.append(r.path)
                 report.errors.append(str(exc))
                 continue
+            if orientation not in (0, 1):
+                report.exif_rotated.append(f"{r.path} (orientation {orientation})")
             if image.shape[:2] != (r.height, r.width):
                 report.errors.append(f"image file {r.path} (image_id {r.image_id}) is {image.shape[1]}x{image.shape[0]} "
                                      f"but its annotation says {r.width}x{r.height}")
@@ -184,6 +188,12 @@ def format_report(report: CheckReport) -> str:
     if report.non_integer_boxes:
         lines.append(f"boxes with non-integer coordinates (accepted as floats): {report.non_integer_boxes}")
         lines += [f"  {m}" for m in report.non_integer_examples[:3]]
+    if report.exif_rotated:
+        how = ("turned as displayed (data.apply_exif=true)" if report.apply_exif else
+               "WARNING: read as stored, so boxes drawn on the displayed image are wrong; set data.apply_exif=true "
+               "if they were")
+        lines.append(f"images with an EXIF orientation: {len(report.exif_rotated)}, {how}")
+        lines += [f"  {m}" for m in report.exif_rotated[:3]]
     lines.append(f"missing image files: {len(report.missing_files)}   unreadable image files: {len(report.unreadable_files)}")
     if report.errors:
         lines.append(f"ERRORS: {len(report.errors)}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -37,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .files import DataError, load_image
+from .files import DataError, decode_image, exif_warning
 from .records import ImageRecord, RecordStore
 from .samplers import SampleKey
 
@@ -52,6 +53,10 @@ PAST_EDGE_TOLERANCE = 1.0
 #   -> (image [3,H',W'] uint8 tensor, boxes [M,4] float32 tensor, labels [M] int64 tensor)
 # (``key`` is passed when the item is fetched with a ``SampleKey``; see transforms.py.)
 Transform = Callable[..., Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class DataWarning(UserWarning):
+    """A data item that is read, but perhaps not as its author meant (named in the message)."""
 
 
 @dataclass
@@ -169,6 +174,7 @@ class DetectionDataset(torch.utils.data.Dataset):
     """
 
     label_space = "contiguous"  # CocoDetection: its ``label_space`` argument
+    apply_exif = False  # data.apply_exif (set by build_dataset): see files.decode_image
 
     def __init__(
         self,
@@ -193,9 +199,10 @@ class DetectionDataset(torch.utils.data.Dataset):
         if filter_empty:
             store = self._filter_empty(store, source)
         if not len(store):
+            why = "; no training boxes in any image" if filter_empty and self.num_images_before_filter else ""
             raise DataError(
                 f"{source}: data set is empty after filtering ({self.num_images_before_filter} images before, "
-                f"filter_empty={filter_empty})"
+                f"filter_empty={filter_empty}){why}"
             )
         # Flat arrays, not one object per image: see records.py (forked loader workers).
         self.records: RecordStore = store
@@ -231,6 +238,12 @@ class DetectionDataset(torch.utils.data.Dataset):
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    def num_training_boxes(self) -> int:
+        """Boxes that train (not crowd; not difficult unless ``use_difficult``)."""
+        a = self.records.arrays
+        mask = ~a["iscrowd"] if self.use_difficult else ~(a["iscrowd"] | a["difficult"])
+        return int(mask.sum())
+
     def _train_mask(self, record: ImageRecord) -> np.ndarray:
         mask = ~record.iscrowd
         if not self.use_difficult:
@@ -256,7 +269,9 @@ class DetectionDataset(torch.utils.data.Dataset):
     def load_image(self, idx: int) -> np.ndarray:
         """The decoded file of item ``idx``, uint8 ``[H, W, 3]`` RGB, checked against the metadata size."""
         r = self.records[idx]
-        image = load_image(r.path, r.image_id)
+        image, orientation = decode_image(r.path, r.image_id, self.apply_exif)
+        if orientation not in (0, 1) and not self.apply_exif:
+            warnings.warn(exif_warning(r.path, orientation), DataWarning, stacklevel=2)  # once per file and process
         h, w = image.shape[:2]
         if (h, w) != (r.height, r.width):
             raise DataError(

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from detector.messages import DetectorError, first_line
+
+
+EXIF_ORIENTATION_TAG = 0x0112
 
 
 class DataError(DetectorError, ValueError):
@@ -51,18 +54,33 @@ def to_rgb8(img: Image.Image, what: str) -> np.ndarray:
 
 
 def load_image(path: str, image_id: Optional[int] = None) -> np.ndarray:
-    """Decode an image file to uint8 RGB ``[H, W, 3]`` (no EXIF rotation: annotation
-    sizes refer to the stored pixel array); other bit depths as in ``to_rgb8``.
+    """Decode an image file to uint8 RGB ``[H, W, 3]`` as stored (no EXIF rotation:
+    annotation sizes refer to the stored pixel array); other bit depths as in ``to_rgb8``.
 
     Raises:
         FileNotFoundError: the file does not exist.
         DataError: the file cannot be decoded (truncated or corrupt), or its pixel type
             has no defined 8-bit scale.
     """
+    return decode_image(path, image_id)[0]
+
+
+def decode_image(path: str, image_id: Optional[int] = None, apply_exif: bool = False) -> Tuple[np.ndarray, int]:
+    """``(uint8 RGB [H, W, 3], EXIF orientation)`` of an image file (orientation 1 or 0:
+    stored as displayed; 2..8: a camera's rotation or mirror, shown turned by viewers).
+
+    ``apply_exif`` (``data.apply_exif``): turn the pixels as a viewer shows them
+    (``PIL.ImageOps.exif_transpose``), for boxes annotated on the displayed image; the
+    array then has the displayed size (H and W swapped by a quarter turn). Errors as in
+    ``load_image``.
+    """
     what = f"image file {path}" + (f" (image_id {image_id})" if image_id is not None else "")
     try:
         with Image.open(path) as img:
             img.load()
+            orientation = exif_orientation(img)
+            if apply_exif and orientation not in (0, 1):
+                img = ImageOps.exif_transpose(img)
             array = to_rgb8(img, what)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} not found") from None
@@ -71,7 +89,23 @@ def load_image(path: str, image_id: Optional[int] = None) -> np.ndarray:
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         reason = first_line(exc)
         raise DataError(f"cannot decode {what}: {reason}") from None
-    return array
+    return array, orientation
+
+
+def exif_orientation(img: Image.Image) -> int:
+    """The EXIF orientation tag (0x0112) of an opened image; 0 when absent or unreadable."""
+    try:
+        value = img.getexif().get(EXIF_ORIENTATION_TAG, 0)
+    except (OSError, ValueError, SyntaxError, TypeError):
+        return 0
+    return value if isinstance(value, int) else 0
+
+
+def exif_warning(path: str, orientation: int) -> str:
+    """The warning for an image stored rotated (EXIF orientation 2..8) read as stored."""
+    return (f"image file {path} has EXIF orientation {orientation} (viewers show it turned); it is read as stored, "
+            "so its boxes must refer to the stored pixels: set data.apply_exif=true if they were drawn on the "
+            "displayed image")
 
 
 

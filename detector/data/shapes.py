@@ -37,6 +37,8 @@ import cv2
 import numpy as np
 from PIL import Image, ImageDraw
 
+from .files import path_within
+
 logger = logging.getLogger(__name__)
 
 CLASS_NAMES: Tuple[str, ...] = ("circle", "rectangle", "triangle")
@@ -49,6 +51,9 @@ JPEG_QUALITY = 92
 # Bump when the generator's output changes: ensure_shapes then regenerates old folders.
 GENERATOR_VERSION = 2
 PARAMS_FILE = "shapes_params.json"
+# The files the generator wrote, one relative path a line: regenerating deletes these and
+# nothing else (a run folder or any other file a user put in the folder stays).
+MANIFEST_FILE = "shapes_files.txt"
 _SPLIT_CODES = {"train": 1, "val": 2, "test": 3}
 
 
@@ -229,12 +234,17 @@ def _params(num_train: int, num_val: int, seed: int, min_side: int, max_side: in
 
 def generate_shapes(out: str | os.PathLike, num_train: int, num_val: int, seed: int = 0,
                     min_side: int = 96, max_side: int = 224) -> Path:
-    """Write the train and val splits under ``out`` (created if needed), and
-    ``out/shapes_params.json`` recording how they were made."""
+    """Write the train and val splits under ``out`` (created if needed),
+    ``out/shapes_files.txt`` listing the files written and ``out/shapes_params.json``
+    recording how they were made."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    generate_split(out, "train", num_train, seed, min_side, max_side)
-    generate_split(out, "val", num_val, seed, min_side, max_side)
+    written = []
+    for split, count in (("train", num_train), ("val", num_val)):
+        ann_file = generate_split(out, split, count, seed, min_side, max_side)
+        written += [f"{split}/{img['file_name']}" for img in json.loads(ann_file.read_text())["images"]]
+        written.append(ann_file.name)
+    (out / MANIFEST_FILE).write_text("".join(f"{name}\n" for name in written))
     (out / PARAMS_FILE).write_text(json.dumps(_params(num_train, num_val, seed, min_side, max_side), sort_keys=True))
     return out
 
@@ -284,7 +294,9 @@ def ensure_shapes(root: str | os.PathLike, num_train: int, num_val: int, seed: i
     """Generate the shapes set at ``root`` unless it is there with these settings.
 
     A folder this generator wrote with other settings (or an older generator version) is
-    regenerated, with a warning; a folder it did not write is used as it is. Generation
+    regenerated, with a warning: the files it wrote (``shapes_files.txt``) are replaced,
+    and anything else in the folder is left alone; a folder it did not write is used as
+    it is. Generation
     happens in a temporary sibling folder that then replaces ``root``, under a file lock,
     so several processes (ranks) starting at once generate it once.
     """
@@ -306,10 +318,48 @@ def ensure_shapes(root: str | os.PathLike, num_train: int, num_val: int, seed: i
             shutil.rmtree(tmp)
         generate_shapes(tmp, num_train, num_val, seed, min_side, max_side)
         if root.exists():
-            old = root.parent / f".{root.name}.old-{os.getpid()}"
-            os.rename(root, old)
-            os.rename(tmp, root)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_generated(root)
+            _move_generated(tmp, root)
         else:
             os.rename(tmp, root)
     return root
+
+
+def _generated_files(root: Path) -> List[str]:
+    """The files of ``root`` this generator wrote (relative paths): its manifest, or,
+    from an older generator without one, each split's JSON and the images it lists."""
+    manifest = root / MANIFEST_FILE
+    if manifest.is_file():
+        names = [line for line in manifest.read_text().splitlines() if line]
+    else:
+        names = []
+        for split in _SPLIT_CODES:
+            try:
+                images = json.loads((root / f"{split}.json").read_text()).get("images", [])
+                names += [f"{split}/{img['file_name']}" for img in images]
+            except (OSError, ValueError, AttributeError, KeyError, TypeError):
+                continue
+            names.append(f"{split}.json")
+    return [*names, MANIFEST_FILE, PARAMS_FILE]
+
+
+def _remove_generated(root: Path) -> None:
+    """Delete the files the generator wrote in ``root`` (see ``_generated_files``) and
+    the split folders left empty; nothing else: a generator never deletes what it did
+    not write."""
+    for name in _generated_files(root):
+        path = path_within(str(root), name)
+        if path is not None and os.path.isfile(path) and not os.path.islink(path):
+            os.unlink(path)
+    for split in _SPLIT_CODES:
+        with contextlib.suppress(OSError):  # absent, or holds files the generator did not write
+            (root / split).rmdir()
+
+
+def _move_generated(src: Path, root: Path) -> None:
+    """Move the generated files of ``src`` into ``root`` (the parameters file last, so
+    a folder is complete once it names its parameters), then remove ``src``."""
+    for name in _generated_files(src):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src / name, root / name)
+    shutil.rmtree(src)

@@ -38,6 +38,7 @@ import numpy as np
 from .coco import parse_coco
 from .dataset import Issues
 from .schema import load_coco_json, raise_error, read_voc_xml
+from detector.files import write_text
 from detector.messages import DetectorError
 
 SPLIT_NAMES = ("train", "val", "test")
@@ -293,9 +294,7 @@ def write_splits(
             text = json.dumps(coco_subset(coco_data, set(keys)))
         else:
             text = "".join(f"{k}\n" for k in keys)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text(path, text)
     return paths
 
 

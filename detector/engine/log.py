@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from detector.files import write_text
 from detector.evaluation import draw_detections  # noqa: F401  (moved there; tests/test_draw.py still imports it from here)
 
 logger = logging.getLogger(__name__)
@@ -154,9 +155,7 @@ class JSONLWriter:
                 kept.append(line)
             else:
                 dropped += 1
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        write_text(self.path, "".join(line + "\n" for line in kept))
         return dropped
 
     def write(self, record: Dict[str, Any]) -> None:

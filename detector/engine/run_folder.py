@@ -26,6 +26,7 @@ the process ends, however it ends.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, List, Optional, Tuple
 
-from detector.config import ConfigError
+from detector.config import Config, ConfigError
 from detector.engine import checkpointing as ckpt
 from detector.distributed import all_gather_object
 from detector.messages import DetectorError
@@ -68,6 +69,16 @@ def remove_stale_temp_files(output_dir: "str | os.PathLike") -> List[Path]:
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
+
+
+def _drop_inherited_lock(lock_file: IO[str]) -> None:
+    """In a forked child: close the inherited copy of the run folder's lock descriptor
+    (the parent's copy keeps the lock). Nothing to do once the parent has closed it."""
+    if not lock_file.closed:
+        try:
+            lock_file.close()
+        except OSError:
+            pass
 
 
 class RunFolder:
@@ -138,6 +149,10 @@ class RunFolder:
             raise RunFolderError(
                 f"run folder {path} is busy: {holder} is training into it; wait for it to end or use another --output-dir"
             ) from None
+        # Forked children (DataLoader workers) inherit the descriptor, and a flock lives
+        # as long as any copy of it: orphaned workers of a killed run would keep the
+        # folder "busy". Each child closes its copy at once; the lock dies with this process.
+        os.register_at_fork(after_in_child=functools.partial(_drop_inherited_lock, lock_file))
         try:
             lock_file.seek(0)
             lock_file.truncate()
@@ -200,6 +215,9 @@ def check_output_dir(path: "str | os.PathLike", key: str = "train.output_dir") -
     Raises:
         ConfigError: one line naming ``key`` and the path that is in the way.
     """
+    if not str(path).strip():
+        raise ConfigError(f"config key '{key}' is empty: name the run folder (it would be the working directory "
+                          f"{os.getcwd()})")
     path = Path(path)
     probe = path
     while not probe.exists():
@@ -213,3 +231,26 @@ def check_output_dir(path: "str | os.PathLike", key: str = "train.output_dir") -
         raise ConfigError(f"config key '{key}': {path} {what}, not a folder")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"config key '{key}': {probe} is not writable")
+
+
+def check_run_folder_apart_from_data(cfg: Config) -> None:
+    """The run folder and the data folders must not contain one another: a data set
+    regenerated (or cleaned) would take the run with it, and a run folder cleared by
+    ``--overwrite`` would take the data.
+
+    Raises:
+        ConfigError: one line naming both keys and paths.
+    """
+    out_key = "train.output_dir"
+    out = Path(cfg.train.output_dir).resolve()
+    for split in ("train", "val"):
+        root = getattr(cfg.data, split).root
+        if not root:
+            continue
+        data = Path(root).resolve()
+        if out == data or data in out.parents:
+            raise ConfigError(f"config key '{out_key}' ({cfg.train.output_dir}) is inside data.{split}.root ({root}): "
+                              "a run folder must not live in a data folder; choose another train.output_dir")
+        if out in data.parents:
+            raise ConfigError(f"config key 'data.{split}.root' ({root}) is inside {out_key} ({cfg.train.output_dir}): "
+                              "a data folder must not live in a run folder; move the data or the run")

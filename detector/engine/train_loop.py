@@ -85,12 +85,14 @@ class HookBase:
 
 @dataclass
 class TrainResult:
-    """What ``Trainer.train`` returns. ``status``: ``finished`` or ``interrupted``."""
+    """What ``Trainer.train`` returns. ``status``: ``finished`` or ``interrupted``;
+    ``stop_reason``: what stopped an interrupted run (``SIGTERM``, ``SIGINT``, ...)."""
 
     iteration: int
     status: str
     metrics: Dict[str, float] = field(default_factory=dict)
     output_dir: Optional[Path] = None
+    stop_reason: Optional[str] = None
 
 
 class Trainer:
@@ -176,7 +178,8 @@ class Trainer:
         for hook in self.hooks:
             hook.after_train(state)
         barrier(self.dist_info)
-        return TrainResult(state.iteration, state.status, dict(state.metrics), self.output_dir)
+        return TrainResult(state.iteration, state.status, dict(state.metrics), self.output_dir,
+                           state.stop_requested if state.status == "interrupted" else None)
 
     def _epoch_batches(self) -> Iterator[Any]:
         """Batches of the current epoch from the current position on."""

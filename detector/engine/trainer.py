@@ -47,7 +47,7 @@ from detector.engine.ema import ModelEMA
 from detector.engine.memory import check_batch_memory
 from detector.engine.log import EventWriters, JSONLWriter, TensorBoardWriter
 from detector.engine.optim import build_lr_scheduler, build_optimizer, resolve_epoch_schedule
-from detector.engine.run_folder import RunFolder
+from detector.engine.run_folder import RunFolder, check_output_dir, check_run_folder_apart_from_data
 from detector.engine.setup import configure_torch, prepare_model
 from detector.engine.static_step import static_forward
 from detector.engine.step import TrainStep
@@ -95,6 +95,9 @@ def build_trainer(
                                          timeout_s=cfg.train.dist_timeout_s)
     configure_torch(cfg)
     seed_everything(cfg.train.seed, dist.rank)
+    if run_folder is None:
+        check_output_dir(cfg.train.output_dir)
+        check_run_folder_apart_from_data(cfg)
     folder = run_folder or RunFolder.open(Path(cfg.train.output_dir), resume, overwrite, dist.rank == 0,
                                           dist.world_size)
     on_close: List[Callable[[], None]] = [folder.close] if run_folder is None else []

@@ -23,6 +23,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from tqdm import tqdm
 
 from detector.data.files import DataError, load_image
+from detector.files import OutputError, atomic_write, output_folder
 
 from .plots import render
 from .results import Detections
@@ -265,6 +266,37 @@ def list_images(path: str | Path) -> List[Path]:
     raise FileNotFoundError(f"input not found: {path}")
 
 
+def output_paths(paths: Sequence[Path], output_dir: str | Path) -> List[Path]:
+    """The annotated image each input file becomes: ``<output_dir>/<stem>.png``.
+
+    Checked before any work, so no input is overwritten and no output overwrites another:
+
+    - ``output_dir`` must not be a folder that holds input images (it would overwrite
+      ``a.png``, or mix the drawings with the inputs of the next run);
+    - no two inputs may give one output name (``a.jpg`` and ``a.png``; names compared
+      case-insensitively, as macOS and Windows file systems do).
+
+    Raises:
+        OutputError: one line naming the inputs and the folder.
+    """
+    out = Path(output_dir)
+    resolved_out = out.resolve()
+    for path in paths:
+        if Path(path).resolve().parent == resolved_out:
+            raise OutputError(f"--output-dir {out} holds the input image {path}: the annotated images would "
+                              "overwrite or mix with the inputs; choose another folder")
+    seen: Dict[str, Path] = {}
+    result = []
+    for path in paths:
+        name = f"{Path(path).stem}.png"
+        other = seen.setdefault(name.lower(), Path(path))
+        if other != Path(path):
+            raise OutputError(f"input images {other} and {path} would both be written as {out / name}; "
+                              "rename one of them, or run them separately")
+        result.append(out / name)
+    return result
+
+
 def read_rgb(path: str | Path) -> np.ndarray:
     """uint8 [H, W, 3] RGB, any bit depth scaled as ``detector.data.files.to_rgb8`` does.
 
@@ -336,7 +368,8 @@ def predict_files(
     score_thresh: float = 0.5,
     tta: Optional[TTASettings] = None,
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """Detect on each file, write ``<output_dir>/<stem>.png`` with the boxes drawn.
+    """Detect on each file, write ``<output_dir>/<stem>.png`` with the boxes drawn
+    (names checked first by ``output_paths``; each file written atomically).
 
     A file that cannot be read (missing, corrupt, unsupported pixel type) is skipped with
     a warning naming it; the others are still processed. ``tta``: see :func:`predict_image`.
@@ -346,15 +379,15 @@ def predict_files(
         ``height``, ``width``, ``boxes`` xyxy, ``scores``, ``labels``, ``names``), and one
         message per skipped file.
     """
-    out_dir = Path(output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    targets = output_paths(paths, output_dir)  # refused before any work: see output_paths
+    output_folder(output_dir)
     net = unwrap(model)
     was_training = net.training
     net.eval()
     records: List[Dict[str, Any]] = []
     skipped: List[str] = []
     try:
-        for path in paths:
+        for path, target in zip(paths, targets):
             try:
                 image = read_rgb(path)
             except (FileNotFoundError, DataError) as exc:
@@ -363,7 +396,8 @@ def predict_files(
                 continue
             det = predict_image(net, image, transform, score_thresh, tta)
             drawn = draw_predictions(image, det, class_names)
-            Image.fromarray(drawn.permute(1, 2, 0).numpy()).save(out_dir / f"{Path(path).stem}.png")
+            picture = Image.fromarray(drawn.permute(1, 2, 0).numpy())
+            atomic_write(target, lambda f: picture.save(f, format="PNG"))
             labels = det["labels"].tolist()
             records.append(
                 {

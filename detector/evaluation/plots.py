@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import matplotlib
 
@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from PIL import Image, ImageDraw, ImageFont  # noqa: E402
 
 from .palette import class_color, place_caption, text_color  # noqa: E402
+from detector.files import atomic_write  # noqa: E402
 
 
 def _step(ax, recall: np.ndarray, precision: np.ndarray, **kwargs) -> bool:
@@ -42,6 +43,14 @@ def _step(ax, recall: np.ndarray, precision: np.ndarray, **kwargs) -> bool:
         return False
     ax.step(np.concatenate([[0.0], recall]), np.concatenate([[precision[0]], precision]), where="post", **kwargs)
     return True
+
+
+def _save_png(fig: Any, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG through ``detector.files.atomic_write``, then close it."""
+    try:
+        return atomic_write(path, lambda f: fig.savefig(f, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def plot_pr_curves(
@@ -63,13 +72,9 @@ def plot_pr_curves(
         path: the PNG to write.
         ap_kind: what the AP is, written wherever an AP is shown.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig = (_one_plot if len(curves) <= max_single else _small_multiples)(curves, title, ap_kind)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save_png(fig, path)
 
 
 def _one_plot(curves: Dict[str, Tuple[np.ndarray, np.ndarray, float]], title: str, ap_kind: str):
@@ -147,10 +152,7 @@ def plot_confusion_matrix(
                     color = "white" if norm[i, j] > 0.5 else "black"
                     ax.text(j, i, str(int(matrix[i, j])), ha="center", va="center", fontsize=7, color=color)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save_png(fig, path)
 
 
 # --------------------------------------------------------------------------- drawing

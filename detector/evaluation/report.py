@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 from torch import nn
 
+from detector.files import atomic_write, output_folder, write_text
 from detector.messages import typed_first_line
 
 from ..distributed import all_gather_object, amp_dtype as resolve_amp_dtype, get_rank, get_world_size
@@ -152,13 +153,9 @@ def _json_safe(value: Any) -> Any:
 
 
 def write_json(path: str | Path, data: Any) -> Path:
-    """Write JSON atomically-enough for results (temp file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_json_safe(data), indent=1, allow_nan=False))
-    tmp.replace(path)
-    return path
+    """Write ``data`` as JSON (nan/inf as null) through ``detector.files.write_text``:
+    atomic, and a failure is an ``OutputError`` naming the path."""
+    return write_text(path, json.dumps(_json_safe(data), indent=1, allow_nan=False))
 
 
 def write_outputs(
@@ -170,22 +167,21 @@ def write_outputs(
     """Write ``metrics.json`` (the flat metrics dict), ``detections.json`` (COCO
     results; ``results`` a list or Detections), ``per_class.csv``, ``pr_curves.png``
     and ``confusion_matrix.png``."""
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(output_dir)
     metrics = dict(report.metrics)
     metrics.update(extra_metrics or {})
     paths = {
         "metrics": write_json(out / "metrics.json", metrics),
         "detections": write_results_file(out / "detections.json", as_detections(results)),
     }
-    csv_path = out / "per_class.csv"
-    with csv_path.open("w", newline="") as f:
+    def write_csv(f: Any) -> None:
         fields = ["category_id", "name", "num_gt", "num_det", "AP", "AP50", "AP_voc07", "AP_voc_area"]
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for row in report.per_class:
             writer.writerow({k: (f"{v:.6f}" if isinstance(v, float) else v) for k, v in row.items()})
-    paths["per_class"] = csv_path
+
+    paths["per_class"] = atomic_write(out / "per_class.csv", write_csv, mode="w")
     curves = {
         name: (report.voc[c].recall, report.voc[c].precision, report.voc[c].ap_area)
         for c, name in zip(report.cat_ids, report.class_names)

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from detector.files import atomic_write
 from detector.messages import DetectorError
 
 FIELDS = ("image_id", "category_id", "bbox", "score")
@@ -295,18 +296,14 @@ _RECORD_JSON = '{"image_id": %d, "category_id": %d, "bbox": [%r, %r, %r, %r], "s
 
 
 def write_results_file(path: str | Path, dets: Detections, chunk: int = 100_000) -> Path:
-    """Write ``dets`` as a COCO results JSON list (temp file, then rename): the text
-    ``json.dumps`` gives for the records (floats by ``repr``), formatted directly.
-
-    Raises:
-        ValueError: a non-finite box or score (not valid JSON).
-    """
+    """Write ``dets`` as a COCO results JSON list (``detector.files.atomic_write``: an
+    ``OutputError`` naming the file, no partial file): the text ``json.dumps`` gives for
+    the records (floats by ``repr``), formatted directly. A non-finite box or score
+    (not valid JSON) is a ``ValueError``."""
     if not (np.isfinite(dets.bbox).all() and np.isfinite(dets.score).all()):
         raise ValueError("Out of range float values are not JSON compliant: a detection has a non-finite box or score")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
+
+    def write(f: Any) -> None:
         f.write("[")
         for k in range(0, len(dets), chunk):
             part = dets.take(slice(k, k + chunk))
@@ -314,5 +311,5 @@ def write_results_file(path: str | Path, dets: Detections, chunk: int = 100_000)
             body = ", ".join([_RECORD_JSON % (i, c, *b, s) for i, c, b, s in rows])
             f.write(("," if k else "") + "\n" + body)
         f.write("\n]\n")
-    tmp.replace(path)
-    return path
+
+    return atomic_write(path, write, mode="w")

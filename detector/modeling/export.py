@@ -25,6 +25,7 @@ docs/deploy.md). TorchScript runs PyTorch's own kernels and matches exactly.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import warnings
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 
 from .faster_rcnn import FasterRCNN
 
+from detector.files import write_bytes
 from detector.messages import DetectorError, first_line
 
 FORMATS = ("torchscript", "onnx")
@@ -114,6 +116,10 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
         opset: ONNX opset (>= 11 for torchvision's NMS and RoIAlign).
         metadata: ONNX only: string pairs stored as the file's ``metadata_props`` (see
             ``export_metadata``), readable with onnxruntime's ``get_modelmeta()``.
+
+    The graph is serialised in memory, then written by ``detector.files.write_bytes``
+    (temporary file, fsync, rename): a full disk or a folder at ``path`` is an
+    ``OutputError`` naming the path, and leaves no partial file.
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got '{fmt}'")
@@ -130,8 +136,10 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
         warnings.filterwarnings("ignore", message="The feature will be removed.*", category=DeprecationWarning)
         # The indices of every advanced indexing are non-negative (from torch.where, labels).
         warnings.filterwarnings("ignore", message=".*aten::index operator of advanced indexing.*")
+        buffer = io.BytesIO()
         if fmt == "torchscript":
-            torch.jit.trace(wrapper, (example,), check_trace=False).save(str(path))
+            torch.jit.save(torch.jit.trace(wrapper, (example,), check_trace=False), buffer)
+            write_bytes(path, buffer.getvalue())
             return
         require_onnx()
         if opset < 11:
@@ -139,21 +147,21 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
         if model.roi_heads.box_roi_pool.aligned and opset < 16:  # older RoiAlign has no half-pixel mode
             raise ExportError(f"roi_heads.aligned=true needs --opset >= 16, got {opset}")
         torch.onnx.export(
-            wrapper, (example,), str(path), dynamo=False, opset_version=opset,
+            wrapper, (example,), buffer, dynamo=False, opset_version=opset,
             input_names=["image"], output_names=["boxes", "scores", "labels"],
             dynamic_axes={"image": {1: "height", 2: "width"}, "boxes": {0: "detections"},
                           "scores": {0: "detections"}, "labels": {0: "detections"}},
         )
     import onnx  # optional dependency, checked by require_onnx
 
+    proto = onnx.load_from_string(buffer.getvalue())
     if metadata:
-        proto = onnx.load(str(path))
         onnx.helper.set_model_props(proto, {str(k): str(v) for k, v in metadata.items()})
-        onnx.save(proto, str(path))
     try:
-        onnx.checker.check_model(str(path), full_check=True)
+        onnx.checker.check_model(proto, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         raise ExportError(f"the ONNX file {path} is not valid: {first_line(exc)}") from None
+    write_bytes(path, proto.SerializeToString())
 
 
 def export_metadata(class_names: Sequence[str], min_size_test: int, max_size_test: int) -> Dict[str, str]:

@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchvision.ops import FrozenBatchNorm2d
 
 from ..config import Config
+from ..files import write_text
 from .faster_rcnn import FasterRCNN
 
 
@@ -175,6 +176,5 @@ def format_summary(summary: ModelSummary) -> str:
 def write_summary(model: FasterRCNN, image_size: Tuple[int, int], path: str | os.PathLike) -> ModelSummary:
     """``model_summary`` written to ``path`` as JSON (``summary.json`` of a run folder)."""
     summary = model_summary(model, image_size)
-    with open(path, "w") as f:
-        f.write(json.dumps(summary.to_dict(), indent=2) + "\n")
+    write_text(path, json.dumps(summary.to_dict(), indent=2) + "\n")
     return summary

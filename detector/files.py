@@ -1,0 +1,96 @@
+"""Writing output files: the one way every tool and the library write a result file
+(bottom layer: imports nothing from ``detector`` but ``messages``).
+
+``atomic_write(path, writer)`` writes into a temporary file in the same folder, flushes
+and fsyncs it, then renames it over ``path``. A failure at any point (a full disk, a
+quota, a folder in the way, a writer that raises) removes the temporary file, leaves
+``path`` as it was (absent, or the previous complete file) and raises ``OutputError``:
+one line naming the path. So no tool leaves a ``.tmp`` file or a partial output behind.
+
+``output_folder(path, what)`` makes sure a folder can take outputs before work starts.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import IO, Any, Callable
+
+from detector.messages import DetectorError, first_line
+
+
+class OutputError(DetectorError, OSError):
+    """An output file or folder cannot be written: one line naming the path (an
+    ``OSError`` too, for code that catches those)."""
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return "no space left on the device"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return first_line(exc)
+
+
+def output_folder(path: "str | os.PathLike", what: str = "output folder") -> Path:
+    """Create ``path`` (and its parents) if needed and check it is a writable folder.
+
+    Raises:
+        OutputError: ``path`` (or a parent) is a file, or it cannot be created or written.
+    """
+    path = Path(path)
+    if not str(path).strip():
+        raise OutputError(f"{what} is empty: name a folder")
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {what} {path}: {_reason(exc)}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OutputError(f"{what} {path} is not writable")
+    return path
+
+
+def atomic_write(path: "str | os.PathLike", writer: Callable[[IO[Any]], Any], mode: str = "wb") -> Path:
+    """Write ``path`` through ``writer(f)``, atomically (see the module docstring).
+
+    Args:
+        path: the file to write; its folder is created if needed.
+        writer: called once with the open temporary file (``mode``: ``"wb"`` binary,
+            ``"w"`` text, UTF-8, ``newline=""`` so a CSV writer controls line ends).
+
+    Raises:
+        OutputError: one line naming ``path`` and the reason (the temporary file removed).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"cannot write {path}: it is a folder; name a file")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = "b" not in mode
+        with open(tmp, mode, **({"encoding": "utf-8", "newline": ""} if text else {})) as f:
+            writer(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise OutputError(f"cannot write {path}: {_reason(exc)}") from None
+    finally:
+        try:
+            tmp.unlink()
+        except OSError:  # renamed (the normal case), or never created
+            pass
+    return path
+
+
+def write_bytes(path: "str | os.PathLike", data: bytes) -> Path:
+    """``atomic_write`` of ``data``."""
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def write_text(path: "str | os.PathLike", text: str) -> Path:
+    """``atomic_write`` of ``text`` (UTF-8)."""
+    return atomic_write(path, lambda f: f.write(text), mode="w")
