@@ -105,7 +105,7 @@ def test_val_set_without_boxes_never_chooses_best(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="detector.engine.hooks.evaluation"):
         run_steps([ev], LoopState(max_iter=10), [result(1.0, 1.0)] * 2)
     assert not best.exists() and ev.best_value is None
-    assert "best.pth not chosen" in caplog.text and "new best" not in caplog.text
+    assert "best.pth not written" in caplog.text and "new best" not in caplog.text
     run_steps([ev], LoopState(max_iter=10, iteration=2), [result(1.0, 1.0)])  # a real value then chooses
     assert ev.best_value == 0.25 and torch.load(best, weights_only=True)["model"]["w"].tolist() == [3.0] * 4
 
