@@ -36,7 +36,7 @@ import numpy as np
 from torch import nn
 
 from detector.files import atomic_write, output_folder, write_text
-from detector.messages import typed_first_line
+from detector.messages import DetectorError, typed_first_line
 
 from ..distributed import all_gather_object, amp_dtype as resolve_amp_dtype, get_rank, get_world_size
 from .coco import COCO_METRIC_NAMES, coco_evaluate
@@ -47,6 +47,11 @@ from .eval_files import check_ground_truth
 from .results import Detections, as_detections, check_detection_ids, write_results_file
 from .tta import tta_settings
 from .voc import VOCClassResult, mean_ap, voc_evaluate
+
+
+class RankFailedError(DetectorError, RuntimeError):
+    """Another rank's evaluation failed: one line naming the rank and its error."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +294,7 @@ def _infer_and_gather(model: nn.Module, loader: Any, label_to_category_id: Dict[
         raise failure
     failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0] is not None]
     if failed:
-        raise RuntimeError(f"evaluation failed on rank {failed[0][0]} ({failed[0][1]})")
+        raise RankFailedError(f"evaluation failed on rank {failed[0][0]} ({failed[0][1]})")
     return [g[1:] for g in gathered]
 
 
