@@ -27,8 +27,11 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# MARKS: which tests; .ci/run leaves the multi-process (dist) tests to the pinned pair's full
+# run when it tests the oldest and newest torch.
+MARKS ?= not slow
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "$(MARKS)" tests
 
 # --resume: the first `make demo` starts the run; a later one continues an interrupted
 # run, or re-evaluates a finished one (runs/demo/eval/). ARGS: extra key=value overrides.
