@@ -39,7 +39,7 @@ def _train(args: list, out: Path, tmp_path: Path) -> subprocess.CompletedProcess
 def _check_run(proc: subprocess.CompletedProcess, out: Path, tmp_path: Path, k: int, dropped: Counter) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
-    log = (out / "log.txt").read_text()
+    log = (out / "log.txt").read_text().replace("\n    ", " ")  # long lines are wrapped with a 4-space indent
     line = next(x for x in log.splitlines() if "boxes of other classes" in x)
     total = sum(dropped.values())
     assert f"training on {k} classes (data.class_names); dropped {total} boxes of other classes" in line
