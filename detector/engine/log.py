@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from detector.files import write_text
-from detector.evaluation import draw_detections  # noqa: F401  (moved there; tests/test_draw.py still imports it from here)
 
 logger = logging.getLogger(__name__)
 
