@@ -33,7 +33,10 @@ THIRD_PARTY = ("numpy", "torch", "torchvision", "cv2", "PIL.Image", "albumentati
 def run_import(repo_root, statement: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "NO_ALBUMENTATIONS_UPDATE"}
     env["PYTHONPATH"] = str(repo_root)
-    env["PYTHONWARNINGS"] = "always"
+    # Every warning shown, except ResourceWarning: torch 2.6's torch.distributed.nn.jit
+    # makes a module-level TemporaryDirectory (imported by torchvision through
+    # torch._dynamo) and warns at interpreter exit when it is cleaned up.
+    env["PYTHONWARNINGS"] = "always,ignore::ResourceWarning"
     # Should anything bypass the socket patch, the proxy is a closed local port.
     env["HTTP_PROXY"] = env["HTTPS_PROXY"] = "http://127.0.0.1:9"
     env.pop("NO_PROXY", None)
