@@ -23,6 +23,8 @@ Linux only (``/proc``).
 
 from __future__ import annotations
 
+import argparse
+import json
 import mmap
 import multiprocessing as mp
 import os
@@ -157,11 +159,18 @@ def format_sharing(r: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m benchmarks.records_sharing FILE [RANKS [WORKERS]]
-    import json
-    import sys
-
-    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-    result = node_sharing(sys.argv[1], "", *(int(a) for a in sys.argv[2:4]))
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description="Each rank parsing a COCO file against one parse per machine "
+                                            "shared through a record file (prints the lines, then the JSON).")
+    p.add_argument("ann_file", help="a COCO instances file (its images need not exist)")
+    p.add_argument("--ranks", type=int, default=8, help="ranks on this machine (default 8)")
+    p.add_argument("--workers", type=int, default=2, help="loader workers per rank (default 2)")
+    args = p.parse_args(argv)
+    result = node_sharing(args.ann_file, "", args.ranks, args.workers)
     print(format_sharing(result))
     print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+    main()
