@@ -131,7 +131,7 @@ def load_or_parse(cache: Optional[RecordCache], ann_file: str | os.PathLike, opt
         whatever ``parse`` raises (on every rank of the machine: ``DataError`` with local
         rank 0's one line on the others).
     """
-    if cache is None:
+    if cache is None or not os.path.isfile(ann_file):  # no file: the parser's own error, on every rank
         return parse()
     key = cache_key(ann_file, options)
     path = cache_path(cache.folder, ann_file, key)
