@@ -104,9 +104,14 @@ def _read_or_build(path: Path, key: Dict[str, Any], parse: Callable[[], ParsedRe
     except OutputError as exc:
         logger.warning("data.cache_dir: %s; the records are not shared", first_line(exc))
         return records, False
+    try:
+        mapped = _read(path, key)  # the parsed arrays are freed; the pages are the file's
+    except RecordFileError as exc:  # e.g. replaced meanwhile by a file of another version
+        logger.warning("%s; the records are not shared", exc)
+        return records, False
     logger.info("records: %d images, %d boxes saved to %s (data.cache_dir)", len(records.store),
                 records.store.num_boxes, path)
-    return _read(path, key), True  # mapped: the parsed arrays are freed
+    return mapped, True
 
 
 def _leader_status(path: Path, key: Dict[str, Any],
