@@ -92,6 +92,23 @@ def test_round_trip_gives_the_parsed_records_exactly(tmp_path, options):
         assert second.records.path(1).endswith("caf\u00e9/b.jpg") and len(second) == 4
 
 
+def test_a_set_empty_after_filtering_is_the_same_error_from_the_file(tmp_path):
+    """Zero images and zero boxes round-trip; the data set's error is the same each time."""
+    ann = tmp_path / "crowd.json"
+    ann.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.jpg", "width": 10, "height": 10}],
+                               "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 5],
+                                                "iscrowd": 1}], "categories": [{"id": 1, "name": "x"}]}))
+    messages = []
+    for cache in (None, RecordCache(tmp_path / "cache"), RecordCache(tmp_path / "cache")):
+        with pytest.raises(DataError, match="empty after filtering") as info:
+            CocoDetection(tmp_path, ann, filter_empty=True, cache=cache)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1] == messages[2] and "1 images before" in messages[0]
+    (path,) = _records_files(tmp_path / "cache")
+    store, meta = read_record_file(path)
+    assert len(store) == 0 and store.num_boxes == 0 and meta["images_before_filter"] == 1
+
+
 def test_every_input_of_the_records_changes_the_file(tmp_path):
     ann = _coco(tmp_path / "instances.json")
     base = {"dataset": "CocoDetection", "image_dir": "images", "class_names": None, "label_space": "contiguous",

@@ -74,7 +74,7 @@ def _chunks(store: RecordStore, specs: Dict[str, list], data_bytes: int):
         offset, nbytes = specs[name][2], specs[name][3]
         if offset > at:
             yield bytes(offset - at)
-        yield memoryview(np.ascontiguousarray(store.arrays[name])).cast("B")
+        yield memoryview(np.ascontiguousarray(store.arrays[name]).reshape(-1).view(np.uint8))  # empty ones too
         at = offset + nbytes
     if data_bytes > at:
         yield bytes(data_bytes - at)
