@@ -77,7 +77,8 @@ def _rank(rank: int, ranks: int, workers: int, ann_file: str, image_dir: str, ca
     boxes = sum(loader)
     pids = [os.getpid(), *_children(os.getpid())]
     mem = {pid: memory_kib(pid) for pid in pids}
-    queue.put({"rank": rank, "build_s": ready - t0, "started_at": t0, "ready_at": ready, "boxes": boxes, "processes": len(pids),
+    queue.put({"rank": rank, "build_s": ready - t0, "started_at": t0, "ready_at": ready, "boxes": boxes,
+               "processes": len(pids),
                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                "pss_mib": sum(m["pss"] for m in mem.values()) / 1024,
                "records_mapped": _mapped(dataset.records.arrays["boxes"])})
