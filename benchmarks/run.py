@@ -18,6 +18,7 @@ from detector.distributed import resolve_device
 
 from .profiling import SYNC_EVENTS, profile_train_step
 from .records_memory import benchmark_records, format_records
+from .records_sharing import format_sharing, node_sharing
 from .scaling import ScalingSweep, benchmark_scaling, format_scaling
 from .tasks import benchmark_data, benchmark_eval, benchmark_model, benchmark_train_loader
 from .timing import machine_info
@@ -62,6 +63,7 @@ def run_benchmark(
     budget_s: float = 300.0,
     scaling: Optional[ScalingSweep] = None,
     records_file: Optional[str] = None,
+    node_ranks: int = 0,
 ) -> Dict[str, Any]:
     """Run one benchmark task and return its JSON-ready result.
 
@@ -88,6 +90,9 @@ def run_benchmark(
         records_file: ``task="data"``: the ``records`` case (``records_memory``) reads
             this COCO file (images need not exist) instead of the config's training set,
             and adds its parse cost and 2 ranks x ``data.num_workers`` workers reading it.
+        node_ranks: with ``records_file``, also ``node_ranks`` ranks on this machine each
+            parsing it, against one parse shared through a record file
+            (``records_sharing``; 0: not run).
 
     Returns a dict with ``task``, ``config``, ``machine``, ``iters``, ``warmup``,
     ``runs`` (name -> :func:`summarize_times` fields plus ``peak_memory_bytes``,
@@ -126,6 +131,8 @@ def run_benchmark(
         result.update(benchmark_data(cfg, iters, warmup))
         dataset = None if records_file else build_dataset(cfg, "train", is_train=True)
         result["records"] = benchmark_records(dataset, records_file, ranks=2, workers=cfg.data.num_workers)
+        if records_file and node_ranks > 0 and "skipped" not in result["records"]:
+            result["records"]["sharing"] = node_sharing(records_file, "", node_ranks, cfg.data.num_workers)
     elif task == "time-to-accuracy":
         result.update(benchmark_time_to_accuracy(cfg, budget_s))
     elif task == "scaling":
@@ -220,6 +227,8 @@ def format_summary(result: Dict[str, Any]) -> str:
         lines.append(format_scaling(result))
     if "records" in result:
         lines.append(format_records(result["records"]))
+        if "sharing" in result["records"]:
+            lines.append(format_sharing(result["records"]["sharing"]))
     for name, prof in (result.get("profile") or {}).items():
         lines.append(f"  profile ({name}), one {'training step' if result['task'] == 'train' else 'inference batch'}, "
                      "top operators by self time:")

@@ -101,7 +101,7 @@ def _build_step(cfg: Config, device: torch.device, world_size: int) -> Tuple[Tra
     ``world_size > 1``), optimizer, scheduler and ``TrainStep``; same weights on every rank."""
     torch.manual_seed(cfg.train.seed)
     model, _ = prepare_model(build_model(cfg), cfg, device, world_size)
-    optimizer = build_optimizer(model, cfg, world_size)
+    optimizer = build_optimizer(model, cfg, world_size, log=False)  # built once per setting swept
     step = TrainStep(model, optimizer, build_lr_scheduler(optimizer, cfg), resolve_amp(cfg.train.amp, device),
                      cfg.solver.clip_grad_norm, world_size=world_size)
     return step, model

@@ -39,7 +39,7 @@ def build_train_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimize
     """The training optimizer (parameter groups and all), at the LR of the first
     warm-up iteration so that a randomly initialised model does not diverge while timed."""
 
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizer(model, cfg, log=False)  # torchvision's model: the log line describes ours
     for g in opt.param_groups:
         g["lr"] = g["lr"] * cfg.solver.warmup_factor
     return opt
@@ -77,7 +77,8 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Con
     return step
 
 
-def make_ours_train_step(model: nn.Module, cfg: Config, device: torch.device) -> Tuple[Callable[[Batch], Any], nn.Module]:
+def make_ours_train_step(model: nn.Module, cfg: Config, device: torch.device,
+                         log_optimizer: bool = False) -> Tuple[Callable[[Batch], Any], nn.Module]:
     """The engine's own training step, ``detector.engine.step.TrainStep`` (autocast,
     float32 loss sum, GradScaler, gradient norm and clipping, the non-finite check with
     its one read-back, optimizer and LR scheduler step), on the model as the Trainer
@@ -85,10 +86,11 @@ def make_ours_train_step(model: nn.Module, cfg: Config, device: torch.device) ->
     ``train.*`` speed options), with the Trainer's optimizer and scheduler.
 
     Returns ``(step, the prepared model)``; ``step(batch)`` returns the ``StepResult``.
+    ``log_optimizer``: log the optimizer's line (once per benchmark: the caller decides).
     """
     configure_torch(cfg)
     model, _ = prepare_model(model, cfg, device, world_size=1)
-    optimizer = build_optimizer(model, cfg, 1)
+    optimizer = build_optimizer(model, cfg, 1, log=log_optimizer)
     train_step = TrainStep(model, optimizer, build_lr_scheduler(optimizer, cfg), resolve_amp(cfg.train.amp, device),
                            cfg.solver.clip_grad_norm, world_size=1)
 
@@ -115,15 +117,15 @@ def make_infer_step(model: nn.Module, cfg: Config, device: torch.device, torchvi
 
 
 def make_step(model: nn.Module, cfg: Config, device: torch.device, task: str,
-              torchvision_api: bool) -> Tuple[Callable[[Batch], Any], nn.Module]:
+              torchvision_api: bool, log_optimizer: bool = False) -> Tuple[Callable[[Batch], Any], nn.Module]:
     """The timed step of ``task`` for ``model``: for ``"train"`` ours is the engine's
     ``TrainStep`` (:func:`make_ours_train_step`), torchvision's its reference iteration
     (:func:`make_train_step`); for ``"infer"`` one batch in eval mode
     (:func:`make_infer_step`), ours with the ``train.*`` speed options.
 
-    Returns ``(step, the model it runs)``."""
+    Returns ``(step, the model it runs)``; ``log_optimizer``: see :func:`make_ours_train_step`."""
     if task == "train" and not torchvision_api:
-        return make_ours_train_step(model, cfg, device)
+        return make_ours_train_step(model, cfg, device, log_optimizer)
     if task == "train":
         model.train()
         return make_train_step(model, build_train_optimizer(model, cfg), cfg, device), model

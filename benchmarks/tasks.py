@@ -90,7 +90,9 @@ def benchmark_model(
 
     runners = []
     for name, model in models.items():
-        step, models[name] = make_step(model, cfg, device, task, torchvision_api=name == "torchvision")
+        # The optimizer's log line once per benchmark: ours here, not the later builds.
+        step, models[name] = make_step(model, cfg, device, task, torchvision_api=name == "torchvision",
+                                       log_optimizer=name == "ours")
         if is_train and name == "ours":
             out["ours_step"] = "detector.engine.step.TrainStep"
 

@@ -277,6 +277,15 @@ def _restart_store(timeout: timedelta) -> Optional[dist.Store]:
     return dist.PrefixStore(f"detector/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def node_of_process() -> Tuple[str, int]:
+    """``(node name, local rank)`` of this process, from the launcher's environment (as
+    ``init_distributed`` reads it): the node name is the host name plus torchrun's
+    ``GROUP_RANK`` (SLURM: ``SLURM_NODEID``), so two "nodes" launched on one host stay
+    apart; the local rank is ``LOCAL_RANK`` (SLURM: ``SLURM_LOCALID``), 0 without a launcher."""
+    group = os.environ.get("GROUP_RANK") or os.environ.get("SLURM_NODEID") or ""
+    return f"{socket.gethostname()}/{group}", _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+
+
 def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -4,6 +4,7 @@ torchvision counterpart's configuration, the scoring comparison, bad arguments."
 from __future__ import annotations
 
 import json
+import logging
 import math
 import mmap
 
@@ -66,8 +67,9 @@ def restore_threads():
     torch.set_num_threads(n)
 
 
-def test_train_json_tiny_config(tmp_path, restore_threads):
+def test_train_json_tiny_config(tmp_path, restore_threads, caplog):
     # One thread: the test checks the output, not the speed, and stays quick on a busy machine.
+    caplog.set_level(logging.INFO, logger="detector.engine.optim")
     result = benchmark_json(
         tmp_path, "--task", "train", "--iters", "2", "--warmup", "1", "--num-batches", "2",
         "--threads", "1", "--compare-torchvision", "train.device=cpu", *shapes_data(tmp_path, 12, 4),
@@ -88,6 +90,10 @@ def test_train_json_tiny_config(tmp_path, restore_threads):
     assert result["machine"]["torch_threads"] == 1
     assert result["ours_step"] == "detector.engine.step.TrainStep"
     assert 0 < result["runs"]["ours"]["cpu_median_s"] < 600
+    # Three training steps were built (ours, torchvision's, ours fed by the loader): the
+    # optimizer's line is logged once.
+    lines = [r.getMessage() for r in caplog.records if r.name == "detector.engine.optim"]
+    assert len([m for m in lines if m.startswith("optimizer ")]) == 1, lines
 
 
 def test_summarize_times_matches_numpy():
@@ -211,7 +217,7 @@ def test_data_task_records_file(tmp_path):
     overrides = shapes_data(tmp_path, 12, 4)
     ann_file = tmp_path / "shapes" / "train.json"
     result = benchmark_json(tmp_path, "--task", "data", "--iters", "1", "--warmup", "0", "--records-file",
-                            str(ann_file), "data.num_workers=1", *overrides)
+                            str(ann_file), "--node-ranks", "2", "data.num_workers=1", *overrides)
     records = result["records"]
     if "skipped" in records:
         pytest.skip(records["skipped"])
@@ -223,6 +229,13 @@ def test_data_task_records_file(tmp_path):
     assert (tree["ranks"], tree["workers_per_rank"]) == (2, 1)
     assert sum(r["boxes"] for r in tree["per_rank"]) == len(coco["annotations"])  # each rank read its shard
     assert all(r["processes"] == 2 and r["workers_pss_mib"] > 0 for r in tree["per_rank"])
+    # --node-ranks: each rank parsing, then one parse shared through one record file.
+    sharing = records["sharing"]
+    assert set(sharing["runs"]) == {"parse", "shared", "shared_warm"} and len(sharing["record_files"]) == 1
+    for mode, run in sharing["runs"].items():
+        assert sum(r["boxes"] for r in run["per_rank"]) == len(coco["annotations"]), mode
+        assert all(r["records_mapped"] == (mode != "parse") for r in run["per_rank"]), mode
+        assert run["seconds_to_records"] > 0 and run["total_pss_mib"] > 0 and len(run["loadavg_start"]) == 3
 
 
 def test_count_ops_json(tmp_path, restore_threads):

@@ -106,6 +106,8 @@ def test_torchrun_two_cpu_ranks(tmp_path):
 
     # Only rank 0 wrote files: rank 1's output folder was never created.
     assert not Path(str(out) + "_rank1").exists()
+    # data.cache_dir=auto: rank 0 parsed the training set once and rank 1 mapped its record file.
+    assert len(list((out / "cache").glob("train-*.records"))) == 1
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_0000002.pth", "iter_0000003.pth", "last.pth"]
     state = torch.load(out / "checkpoints" / "last.pth", weights_only=True)
     assert state["world_size"] == 2 and len(state["rng"]["per_rank"]) == 2

@@ -7,6 +7,7 @@
     python tools/benchmark.py --config configs/demo_shapes.yaml --task train --count-ops --no-loader
     python tools/benchmark.py --config configs/demo_shapes.yaml --task eval   # COCO scoring backends
     python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --records-file train118k.json data.num_workers=4
+    python tools/benchmark.py --config configs/tiny_cpu.yaml --task data --records-file train118k.json --node-ranks 8
     python tools/benchmark.py --config configs/demo_shapes.yaml --task scaling   # 1 vs 2 ranks, DDP settings
     python tools/benchmark.py --task time-to-accuracy --json tta.json   # vs torchvision's recipe, demo config
     python tools/benchmark.py --config configs/demo_shapes.yaml --task static-check train.static_step=true \\
@@ -78,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--records-file", help="data: measure the records of this COCO file (images need not exist): "
                                            "parse time and peak memory, a worker's memory reading every record, "
                                            "2 ranks x data.num_workers workers")
+    p.add_argument("--node-ranks", type=int, default=0,
+                   help="data, with --records-file: N ranks on this machine each parsing it, against one parse "
+                        "shared through a memory-mapped record file (data.cache_dir); default 0: not run")
     p.add_argument("--json", dest="json_out", help="write the full result here")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args(argv)
@@ -145,6 +149,7 @@ def _run(args: argparse.Namespace) -> dict:
         threads=args.threads,
         scaling=args.scaling,
         records_file=args.records_file,
+        node_ranks=args.node_ranks,
     )
 
 

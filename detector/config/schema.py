@@ -179,6 +179,13 @@ class DataConfig:
     label_space: str = field_("contiguous", choices=("contiguous", "category_id"))
     filter_empty: bool = True
     use_difficult: bool = False
+    # COCO-format data (coco, shapes): parse the annotation file once per machine and
+    # share the records through a memory-mapped file in this folder, which the machine's
+    # ranks and their loader workers read (detector.data.record_cache). "auto":
+    # <train.output_dir>/cache in a distributed run (more than one rank), none in one
+    # process; "": never; a folder: always (reused by later runs while the annotation
+    # file and the data.* keys that shape the records are unchanged).
+    cache_dir: str = "auto"
     # Images with an EXIF orientation (a camera's rotation): false reads the pixels as
     # stored (with a warning naming the file), true turns them as viewers show them, for
     # boxes annotated on the displayed image (sizes are then checked on the turned image).

@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from detector.config import Config, ConfigError
+from detector.distributed import get_world_size
 
 from .coco import CocoDetection, coco_label_map
 from .dataset import DetectionDataset
 from .files import DataError
+from .record_cache import RecordCache
 from .schema import raise_error, read_coco
 from .shapes import CLASS_NAMES as SHAPES_CLASS_NAMES, ensure_shapes
 from .copy_paste import DatasetSource
@@ -76,6 +78,16 @@ def check_data_paths(cfg: Config, split: str) -> None:
         raise DataError(f"{key}.root: {root} is not a folder")
 
 
+def record_cache(cfg: Config) -> Optional[RecordCache]:
+    """Where the parsed records of COCO-format data are shared (``data.cache_dir``): a
+    folder, ``auto`` = ``<train.output_dir>/cache`` in a distributed run (more than one
+    rank; the same answer on every rank) and no cache in one process; ``""``: none."""
+    folder = cfg.data.cache_dir
+    if folder == "auto":
+        return RecordCache(Path(cfg.train.output_dir) / "cache") if get_world_size() > 1 else None
+    return RecordCache(Path(folder)) if folder else None
+
+
 def _check_first_images(dataset: DetectionDataset, key: str, count: int = 16) -> DetectionDataset:
     """A wrong image folder shows at once: the first ``count`` image files must exist
     (the rest are found missing when loaded, as any single missing file is)."""
@@ -102,6 +114,9 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     boxes are dropped and counted in one log line. In training every listed class must
     have an object. ``data.filter_empty`` drops images without training boxes, in training only.
     ``data.label_space: category_id`` (COCO / shapes) keeps label = category id instead.
+    ``data.cache_dir`` (COCO / shapes): the records are parsed once per machine and shared
+    through a memory-mapped file (``record_cache``); in a distributed run every rank must
+    call this function (it holds a collective).
 
     Raises:
         DataError / FileNotFoundError: a missing path (see ``check_data_paths``) or bad data.
@@ -114,10 +129,11 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     transforms = build_transforms(cfg, is_train, seed=cfg.train.seed)
     filter_empty = bool(data.filter_empty and is_train)
     names = list(data.class_names) or None
+    cache = record_cache(cfg)
     if data.format == "coco":
         dataset: DetectionDataset = CocoDetection(sc.root, sc.ann_file, transforms=transforms, filter_empty=filter_empty,
                                                   use_difficult=data.use_difficult, class_names=names,
-                                                  label_space=data.label_space)
+                                                  label_space=data.label_space, cache=cache)
         return _ready(_check_first_images(dataset, f"data.{split}.root"), cfg, split, is_train)
     if data.format == "voc":
         dataset = VOCDetection(sc.root, sc.split or split, class_names=names, transforms=transforms,
@@ -130,7 +146,7 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     # whatever data.<split>.ann_file (a COCO key, e.g. inherited from a COCO base config) says.
     dataset = CocoDetection(Path(root) / name, Path(root) / f"{name}.json", transforms=transforms,
                             filter_empty=filter_empty, use_difficult=data.use_difficult, class_names=names,
-                            label_space=data.label_space)
+                            label_space=data.label_space, cache=cache)
     return _ready(dataset, cfg, split, is_train)
 
 

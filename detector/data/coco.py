@@ -5,6 +5,7 @@ shapes set is written in this format and read by ``CocoDetection`` too."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import difflib
 import functools
@@ -16,8 +17,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import msgspec
 from pycocotools.coco import COCO
 
-from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
+from .dataset import (DetectionDataset, ImageRecord, Issues, Transform, check_box, drop_images_without_training_boxes,
+                      log_other_classes, rows_to_arrays)
 from .files import DataError, path_within
+from .record_cache import ParsedRecords, RecordCache, load_or_parse
+from .records import RecordStore
 from .schema import CocoAnnotation, CocoCategory, CocoFile, CocoImage, read_coco
 
 logger = logging.getLogger(__name__)
@@ -234,6 +238,25 @@ def coco_index(entries: CocoFile) -> COCO:
     return coco
 
 
+def _coco_parsed(ann_file: str, image_dir: str, class_names: Optional[Sequence[str]], label_space: str,
+                 filter_empty: bool, use_difficult: bool) -> ParsedRecords:
+    """``parse_coco``'s records in a ``RecordStore``, with ``filter_empty`` applied (see
+    ``drop_images_without_training_boxes``), and its other results as JSON-able ``meta``:
+    ``class_names``, ``label_to_category_id`` and the counts ``skipped`` and
+    ``other_classes`` as ``[key, value]`` pairs, ``images_before_filter``."""
+    issues = Issues(strict=True)
+    records, names, label_to_cat, _ = parse_coco(ann_file, image_dir, issues, class_names, label_space)
+    store = RecordStore.from_records(records)
+    before = len(store)
+    del records
+    if filter_empty:
+        store = drop_images_without_training_boxes(store, use_difficult)
+    meta = {"class_names": names, "label_to_category_id": [[int(k), int(v)] for k, v in label_to_cat.items()],
+            "skipped": [[k, n] for k, n in issues.skipped.items()],
+            "other_classes": [[k, n] for k, n in issues.other_classes.items()], "images_before_filter": before}
+    return ParsedRecords(store, meta)
+
+
 class CocoDetection(DetectionDataset):
     """A COCO instances JSON plus an image folder.
 
@@ -249,6 +272,9 @@ class CocoDetection(DetectionDataset):
             the other categories' boxes are dropped and counted in the log); None = all.
         label_space: ``contiguous`` (labels 1..K) or ``category_id`` (label = category
             id; see :func:`coco_label_map`).
+        cache: share the parsed records through a record file (``record_cache.py``,
+            ``data.cache_dir``); None parses here. With a cache in a distributed run,
+            every rank must build the data set (a collective).
     """
 
     def __init__(
@@ -260,18 +286,26 @@ class CocoDetection(DetectionDataset):
         use_difficult: bool = False,
         class_names: Optional[Sequence[str]] = None,
         label_space: str = "contiguous",
+        cache: Optional[RecordCache] = None,
     ) -> None:
-        issues = Issues(strict=True)
         self._class_subset = list(class_names) if class_names else None
-        records, class_names, label_to_cat, _ = parse_coco(ann_file, image_dir, issues, class_names, label_space)
         self.label_space = label_space
         self.image_dir = str(image_dir)
         self.ann_file = str(ann_file)
-        if issues.skipped:
-            logger.warning("%s: skipped annotations: %s", ann_file, dict(issues.skipped))
-        log_other_classes(str(ann_file), [class_names[lab - 1] for lab in label_to_cat], issues.other_classes)
-        super().__init__(records, class_names, label_to_cat, transforms=transforms, use_difficult=use_difficult,
-                         filter_empty=filter_empty, skipped=issues.skipped, source=str(ann_file))
+        options = {"dataset": type(self).__name__, "image_dir": self.image_dir, "class_names": self._class_subset,
+                   "label_space": label_space, "filter_empty": bool(filter_empty), "use_difficult": bool(use_difficult)}
+        parsed = load_or_parse(cache, ann_file, options, lambda: _coco_parsed(
+            self.ann_file, self.image_dir, self._class_subset, label_space, filter_empty, use_difficult))
+        meta = parsed.meta
+        names, skipped = meta["class_names"], collections.Counter(dict(meta["skipped"]))
+        label_to_cat = {int(lab): int(cat) for lab, cat in meta["label_to_category_id"]}
+        if skipped:
+            logger.warning("%s: skipped annotations: %s", ann_file, dict(skipped))
+        log_other_classes(self.ann_file, [names[lab - 1] for lab in label_to_cat],
+                          collections.Counter(dict(meta["other_classes"])))
+        super().__init__(parsed.store, names, label_to_cat, transforms=transforms, use_difficult=use_difficult,
+                         filter_empty=filter_empty, skipped=skipped, source=self.ann_file,
+                         images_before_filter=meta["images_before_filter"])
 
     @functools.cached_property
     def coco(self) -> COCO:

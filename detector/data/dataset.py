@@ -158,6 +158,16 @@ def log_other_classes(source: str, class_names: Sequence[str], dropped: Counter)
                     ", ".join(f"{name} {n}" for name, n in dropped.most_common()))
 
 
+def drop_images_without_training_boxes(store: RecordStore, use_difficult: bool) -> RecordStore:
+    """``store`` without the images that have no training box (not crowd; not difficult
+    unless ``use_difficult``): ``data.filter_empty``. The same store when none is dropped."""
+    a = store.arrays
+    mask = ~a["iscrowd"] if use_difficult else ~(a["iscrowd"] | a["difficult"])
+    trainable = np.bincount(store.box_image_index()[mask], minlength=len(store))
+    keep = np.flatnonzero(trainable > 0)
+    return store.subset(keep) if len(keep) < len(store) else store
+
+
 class DetectionDataset(torch.utils.data.Dataset):
     """Common behaviour of the detection data sets (see the module docstring).
 
@@ -186,6 +196,7 @@ class DetectionDataset(torch.utils.data.Dataset):
         filter_empty: bool = False,
         skipped: Optional[Counter] = None,
         source: str = "",
+        images_before_filter: Optional[int] = None,
     ) -> None:
         self.class_names = list(class_names)
         self.label_to_category_id = dict(label_to_category_id)
@@ -195,9 +206,13 @@ class DetectionDataset(torch.utils.data.Dataset):
         self.source = source
         self.skipped: Counter = Counter(skipped or {})
         store = records if isinstance(records, RecordStore) else RecordStore.from_records(records)
-        self.num_images_before_filter = len(store)
+        # A parser may have filtered already (``images_before_filter``: the count before).
+        self.num_images_before_filter = len(store) if images_before_filter is None else images_before_filter
         if filter_empty:
-            store = self._filter_empty(store, source)
+            store = drop_images_without_training_boxes(store, use_difficult)
+            if len(store) < self.num_images_before_filter:
+                logger.info("%s: %d of %d images have no training boxes and were filtered out (data.filter_empty)",
+                            source, self.num_images_before_filter - len(store), self.num_images_before_filter)
         if not len(store):
             why = "; no training boxes in any image" if filter_empty and self.num_images_before_filter else ""
             raise DataError(
@@ -206,18 +221,6 @@ class DetectionDataset(torch.utils.data.Dataset):
             )
         # Flat arrays, not one object per image: see records.py (forked loader workers).
         self.records: RecordStore = store
-
-    def _filter_empty(self, store: RecordStore, source: str) -> RecordStore:
-        """``store`` without the images that have no training box (``data.filter_empty``)."""
-        a = store.arrays
-        mask = ~a["iscrowd"] if self.use_difficult else ~(a["iscrowd"] | a["difficult"])
-        trainable = np.bincount(store.box_image_index()[mask], minlength=len(store))
-        keep = np.flatnonzero(trainable > 0)
-        if len(keep) < len(store):
-            logger.info("%s: %d of %d images have no training boxes and were filtered out (data.filter_empty)",
-                        source, len(store) - len(keep), len(store))
-            return store.subset(keep)
-        return store
 
     @property
     def image_ids(self) -> List[int]:

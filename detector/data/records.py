@@ -8,8 +8,9 @@ every worker, page by page, as the worker reads it: about 0.85 KB per image, 98 
 worker at COCO train2017's 118k images. A ``RecordStore`` holds 13 numpy arrays
 whatever the number of images; reading image ``i`` builds its ``ImageRecord`` from
 slices of them, and nothing of the shared pages is written. The arrays can also be
-saved to a folder of ``.npy`` files and memory-mapped back (``save`` / ``load``), so the
-processes of one machine could share one copy (not used yet: every rank parses its own).
+saved to a folder of ``.npy`` files and memory-mapped back (``save`` / ``load``); the
+ranks of a machine share one copy through a checked single file instead
+(``record_file.py``, ``record_cache.py``: ``data.cache_dir``).
 """
 
 from __future__ import annotations

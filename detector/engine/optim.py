@@ -99,8 +99,9 @@ def build_param_groups(model: nn.Module, cfg: Config, base_lr: float) -> List[Di
     return list(groups.values())
 
 
-def build_optimizer(model: nn.Module, cfg: Config, world_size: int = 1) -> torch.optim.Optimizer:
-    """SGD with momentum or AdamW over the groups of ``build_param_groups``.
+def build_optimizer(model: nn.Module, cfg: Config, world_size: int = 1, log: bool = True) -> torch.optim.Optimizer:
+    """SGD with momentum or AdamW over the groups of ``build_param_groups``; with ``log``,
+    one info line describes it (a caller that builds several, e.g. a benchmark, logs one).
 
     Pass the DDP-wrapped model (after any SyncBN conversion), so the optimizer holds
     the very parameters DDP synchronises.
@@ -126,6 +127,8 @@ def build_optimizer(model: nn.Module, cfg: Config, world_size: int = 1) -> torch
         )
     else:
         raise ValueError(f"solver.optimizer must be 'sgd' or 'adamw', got {s.optimizer!r}")
+    if not log:
+        return opt
     n = sum(p.numel() for g in groups for p in g["params"])
     logger.info(
         "optimizer %s, base lr %.6g (world size %d), %d groups, %d trainable parameters: %s",
