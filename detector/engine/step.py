@@ -148,9 +148,7 @@ class TrainStep:
                 names, micro, micro_stats = self._forward_backward(images, targets, 1.0 / len(batches))
             parts = parts + micro
             stats.append(micro_stats)
-        result = self._finish(names, parts, bool(stop_requested))
-        result.stat_names, result.stats = mean_stats(stats, self.device)
-        return result
+        return self._finish(names, parts, bool(stop_requested), *mean_stats(stats, self.device))
 
     def _forward_backward(self, images: List[Tensor], targets: List[Dict[str, Any]],
                           weight: float) -> Tuple[Tuple[str, ...], Tensor, Dict[str, Tensor]]:
@@ -165,7 +163,8 @@ class TrainStep:
         self.scaler.scale(parts.sum()).backward()
         return names, parts.detach(), stats_of(loss_dict)
 
-    def _finish(self, names: Tuple[str, ...], parts: Tensor, stop_requested: bool) -> StepResult:
+    def _finish(self, names: Tuple[str, ...], parts: Tensor, stop_requested: bool, stat_names: Tuple[str, ...],
+                stats: Tensor) -> StepResult:
         """Unscale, norm, clip, the non-finite check, then the optimizer step or the skip."""
         total = parts.sum()
         self.scaler.unscale_(self.optimizer)  # no-op when the scaler is disabled
@@ -200,7 +199,8 @@ class TrainStep:
             self.scaler.update(self.scaler.get_scale() if nonfinite else None)
         self.scheduler.step()
         losses = torch.cat([total.reshape(1), parts])
-        return StepResult(losses, ("total_loss", *names), grad_norm.detach(), skipped, nonfinite, stop)
+        return StepResult(losses, ("total_loss", *names), grad_norm.detach(), skipped, nonfinite, stop, stats,
+                          stat_names)
 
 
 @torch.no_grad()
@@ -210,7 +210,7 @@ def mean_stats(per_batch: Sequence[Dict[str, Tensor]], device: torch.device) -> 
     is defined (not NaN and present), on the device, without a host read."""
     names = tuple(sorted({k for stats in per_batch for k in stats}))
     if not names:
-        return (), torch.zeros(0, device=device)
+        return (), torch.empty(0, device=device)
     if len(per_batch) == 1:  # (one operator per step without accumulation)
         return names, torch.stack([per_batch[0][k].float() for k in names])
     missing = torch.full((), float("nan"), device=device)

@@ -105,10 +105,10 @@ class FasterRCNN(nn.Module):
     """Faster R-CNN with an FPN backbone.
 
     Train mode: ``model(images, targets)`` -> ``{"loss_rpn_cls", "loss_rpn_box",
-    "loss_roi_cls", "loss_roi_box"}`` (scalars), a ``TrainingLosses``: that dict, with the
-    samplers' statistics in its ``stats`` attribute (``training_stats``; no losses). Eval mode: ``model(images)`` -> per image
-    ``{"boxes": [M, 4], "scores": [M], "labels": [M]}`` in the coordinates of the given
-    tensor.
+    "loss_roi_cls", "loss_roi_box"}`` (scalars), as a ``TrainingLosses``: that dict, with
+    the samplers' statistics in its ``stats`` attribute (``training_stats``; no losses).
+    Eval mode: ``model(images)`` -> per image ``{"boxes": [M, 4], "scores": [M],
+    "labels": [M]}`` in the coordinates of the given tensor.
 
     ``images``: a list of ``[3, H_i, W_i]`` tensors (uint8 0..255 or float 0..1) or one
     ``[N, 3, H, W]`` tensor, on any device; the model moves them to its own device,

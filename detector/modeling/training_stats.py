@@ -45,9 +45,11 @@ def stats_of(losses: Mapping[str, Tensor]) -> Dict[str, Tensor]:
 def anchor_sample_stats(sample: Sample) -> Dict[str, Tensor]:
     """``rpn/num_pos_anchors`` and ``rpn/num_neg_anchors``: the foreground and background
     anchors of a batched ``Sample`` (``[B, S]``), per image, averaged over the B images."""
-    images = sample.foreground.shape[0] if sample.foreground.dim() == 2 else 1
-    pos = sample.foreground.sum() / images  # (few operators: this runs every step)
-    return {"rpn/num_pos_anchors": pos, "rpn/num_neg_anchors": sample.valid.sum() / images - pos}
+    # Float sums: fewer operators than integer counts divided (this runs every step).
+    per_image = 1.0 / (sample.foreground.shape[0] if sample.foreground.dim() == 2 else 1)
+    pos = sample.foreground.sum(dtype=torch.float32) * per_image
+    return {"rpn/num_pos_anchors": pos,
+            "rpn/num_neg_anchors": sample.valid.sum(dtype=torch.float32) * per_image - pos}
 
 
 @torch.no_grad()
@@ -67,11 +69,10 @@ def roi_sample_stats(class_logits: Tensor, labels: Tensor, valid: Tensor) -> Dic
     """
     correct = class_logits.argmax(dim=1) == labels
     fg = (labels > 0) & valid
-    num_fg = fg.sum()
-    num_valid = valid.sum()
-    # Integer counts; true division gives float32 (and NaN for 0 / 0).
+    num_fg = fg.sum(dtype=torch.float32)
+    num_valid = valid.sum(dtype=torch.float32)
     return {
         "roi/fg_fraction": num_fg / num_valid,
-        "roi/cls_accuracy": (correct & valid).sum() / num_valid,
-        "roi/fg_cls_accuracy": (correct & fg).sum() / num_fg,
+        "roi/cls_accuracy": (correct & valid).sum(dtype=torch.float32) / num_valid,
+        "roi/fg_cls_accuracy": (correct & fg).sum(dtype=torch.float32) / num_fg,
     }
