@@ -111,15 +111,16 @@ def run_all(fn_of_batch: Callable[[Batch], Dict], batches: List[Batch], model: t
 
 
 def count_host_syncs(forward: StaticForward, batches: List[Batch], model: torch.nn.Module) -> SyncCounter:
-    """``SyncCounter`` over the device part of the eager static step (losses and
-    backward; the host-side padding of each batch runs before, outside the count)."""
+    """``SyncCounter`` over the device part of the eager static step (``StaticForward.run``:
+    losses, the samplers' statistics and the NMS count; then the backward; the
+    host-side padding of each batch runs before, outside the count)."""
     counter = SyncCounter()
     for i, b in enumerate(batches):
         model.zero_grad(set_to_none=True)
         static_batch = forward.batch(*b)
         torch.manual_seed(i)
         with counter:
-            losses, _ = forward.losses_fn(static_batch)
+            losses = forward.run(static_batch)
             sum(losses.values()).backward()
     return counter
 
@@ -135,7 +136,7 @@ def raise_on_cuda_syncs(forward: StaticForward, batches: List[Batch], model: tor
     try:
         for static_batch in prepared:
             model.zero_grad(set_to_none=True)
-            losses, _ = forward.losses_fn(static_batch)
+            losses = forward.run(static_batch)
             sum(losses.values()).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

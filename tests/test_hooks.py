@@ -22,7 +22,7 @@ from detector.engine.hooks import (
     PeriodicCheckpointer,
     SignalHook,
 )
-from detector.engine.log import LOG_WIDTH, EventWriters, JSONLWriter, read_jsonl, setup_logging
+from detector.engine.log import LOG_WIDTH, DeviceCounter, EventWriters, JSONLWriter, read_jsonl, setup_logging
 from detector.engine.train_loop import LoopState
 from detector.engine.step import StepResult
 
@@ -107,6 +107,82 @@ def test_failed_run_leaves_a_stopped_record(tmp_path):
     state = LoopState(max_iter=5, iteration=3, status="failed", error="boom")
     hook.after_train(state)
     assert read_jsonl(tmp_path / "m.jsonl") == [{"iteration": 3, "type": "stopped", "reason": "boom"}]
+
+
+STAT_NAMES = ("roi/fg_cls_accuracy", "rpn/num_pos_anchors")
+
+
+def with_stats(r: StepResult, fg_acc: float, pos: float) -> StepResult:
+    r.stats, r.stat_names = torch.tensor([fg_acc, pos]), STAT_NAMES
+    return r
+
+
+class Scalars:
+    """A TensorBoard writer stand-in: the scalars written, by step."""
+
+    def __init__(self) -> None:
+        self.by_step = {}
+
+    def scalars(self, values, step):
+        self.by_step[step] = dict(values)
+
+    def close(self):
+        pass
+
+
+def test_metrics_writer_stats_are_means_over_defined_steps_and_counters_grow(tmp_path, caplog):
+    opt = torch.optim.SGD(Params().parameters(), lr=0.1)
+    tb = Scalars()
+    writers = EventWriters(jsonl=JSONLWriter(tmp_path / "m.jsonl"), tb=tb)
+    count = torch.zeros((), dtype=torch.int64)
+    counter = DeviceCounter("static/nms_unconverged", count, "it grew by {count}: raise key 'rpn.nms_max_iters'")
+    hook = MetricsWriter(4, opt, writers, torch.device("cpu"), counters=[counter])
+    state = LoopState(max_iter=6)
+    nan = float("nan")
+    with caplog.at_level(logging.WARNING, logger="detector.engine"):
+        hook.before_train(state)
+        first = [with_stats(result(1.0, 2.0), nan, 4.0), with_stats(result(nan, 1.0, nan), 0.0, 100.0),
+                 with_stats(result(1.0, 2.0), 0.5, 6.0), with_stats(result(1.0, 2.0), 1.0, 8.0)]
+        run_steps([hook], state, first[:3])
+        count += 3  # the step's in-place update
+        run_steps([hook], state, first[3:] + [with_stats(result(1.0, 2.0), nan, 1.0)])
+        run_steps([hook], state, [with_stats(result(1.0, 2.0), nan, 2.0)])
+    first_rec, second_rec = [r for r in read_jsonl(tmp_path / "m.jsonl") if r["type"] == "train"]
+    # The non-finite step is left out; NaN (undefined) values are left out of the means.
+    assert first_rec["roi/fg_cls_accuracy"] == 0.75 and first_rec["rpn/num_pos_anchors"] == 6.0
+    assert "roi/fg_cls_accuracy" not in second_rec and second_rec["rpn/num_pos_anchors"] == 1.5
+    assert (first_rec["static/nms_unconverged"], second_rec["static/nms_unconverged"]) == (3, 0)
+    assert tb.by_step[4]["rpn/num_pos_anchors"] == 6.0 and tb.by_step[4]["static/nms_unconverged"] == 3
+    assert [r.getMessage() for r in caplog.records] == ["it grew by 3: raise key 'rpn.nms_max_iters'"]
+
+
+def _metrics_rank(rank: int, world_size: int, folder: str) -> None:
+    """A spawned rank: losses and statistics differ by rank; rank 1 has no defined
+    foreground accuracy. Rank 0 writes the record."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
+    try:
+        opt = torch.optim.SGD(Params().parameters(), lr=0.1)
+        writers = EventWriters(jsonl=JSONLWriter(os.path.join(folder, "m.jsonl"))) if rank == 0 else EventWriters()
+        hook = MetricsWriter(2, opt, writers, torch.device("cpu"), world_size=world_size, is_main=rank == 0)
+        state = LoopState(max_iter=2)
+        acc = [0.2, 0.4] if rank == 0 else [float("nan")] * 2
+        run_steps([hook], state, [with_stats(result(1.0 + rank, 2.0), acc[i], 10.0 * (rank + 1) + i)
+                                  for i in range(2)])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_metrics_writer_averages_stats_over_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_metrics_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
+    (rec,) = read_jsonl(tmp_path / "m.jsonl")
+    assert rec["loss_a"] == 1.5 and rec["total_loss"] == 3.5
+    assert rec["rpn/num_pos_anchors"] == pytest.approx(15.5)  # (10, 11, 20, 21)
+    assert rec["roi/fg_cls_accuracy"] == pytest.approx(0.3)  # rank 1's are undefined
 
 
 # --------------------------------------------------------------------------- checkpoints

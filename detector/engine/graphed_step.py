@@ -33,7 +33,7 @@ from detector.config import Config
 from detector.engine.amp import AmpSettings
 from detector.modeling.static_forward import StaticBatch
 
-LossFn = Callable[[StaticBatch], Tuple[Dict[str, Tensor], Tensor]]
+LossFn = Callable[[StaticBatch], Tuple[Dict[str, Tensor], Dict[str, Tensor], Tensor]]
 WARMUP_STEPS = 3
 
 
@@ -62,7 +62,7 @@ class GuardedStaticStep:
 
     Args:
         model: the ``FasterRCNN`` in training mode.
-        losses_fn: ``batch -> (losses, nms_unconverged)`` (``StaticForward.losses_fn``).
+        losses_fn: ``batch -> (losses, stats, nms_unconverged)`` (``StaticForward.losses_fn``).
         optimizer: a fused or foreach SGD over the model's parameters.
         amp: autocast settings (bfloat16 or off: float16's GradScaler is not captured).
         clip_grad_norm: max total gradient norm; <= 0 turns clipping off.
@@ -105,7 +105,7 @@ class GuardedStaticStep:
             saved.copy_(buf)
         torch._foreach_zero_(self.params_with_grad())
         with torch.autocast(self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled):
-            losses, _ = self.losses_fn(batch)
+            losses, _, _ = self.losses_fn(batch)
         self.loss_names = ("total_loss", *sorted(losses))
         parts = torch.stack([losses[k].float() for k in sorted(losses)])
         total = parts.sum()

@@ -15,7 +15,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -123,6 +123,22 @@ def format_console_line(record: Dict[str, Any], max_iter: int, eta_seconds: floa
         f"time {record['time']:.3f}s  data {record['data_time']:.3f}s  "
         f"{record['images_per_sec']:.1f} img/s  mem {record['memory_mb']:.0f}MiB"
     )
+
+
+class DeviceCounter(NamedTuple):
+    """A count the training step keeps on the device (it never reads it itself), which
+    ``MetricsWriter`` reads at logging points: it records how much it grew since the
+    last record under ``name`` and, when it grew, logs one warning ``message.format(count=N)``.
+
+    Attributes:
+        name: the ``metrics.jsonl`` key and TensorBoard tag, e.g. ``static/nms_unconverged``.
+        value: 0-d device tensor, the count so far; its owner updates it in place.
+        message: the warning, a format string with ``{count}``, naming what to change.
+    """
+
+    name: str
+    value: torch.Tensor
+    message: str
 
 
 class JSONLWriter:

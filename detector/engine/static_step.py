@@ -5,8 +5,9 @@
 (``modeling.static_forward.make_static_batch``) and runs
 ``modeling.static_forward.static_losses``, optionally compiled as one graph
 (``compile_static_losses``: ``torch.compile(fullgraph=True, dynamic=False)``, one graph
-per canvas of ``model.canvas_sizes``). The proposal NMS's non-convergence count is kept
-on the device (``nms_unconverged``), to be read at logging points.
+per canvas of ``model.canvas_sizes``). It returns the model's ``TrainingLosses`` (the
+samplers' statistics in ``stats``). The proposal NMS's non-convergence count is kept on
+the device (``nms_unconverged``), to be read at logging points (``counters``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from torch import Tensor, nn
 
 from detector.config import Config
 from detector.engine.graphed_step import check_cuda_graphs
+from detector.engine.log import DeviceCounter
 from detector.modeling.faster_rcnn import FasterRCNN
 from detector.modeling.static_forward import StaticBatch, make_static_batch, static_losses
+from detector.modeling.training_stats import TrainingLosses
 
-LossFn = Callable[[StaticBatch], Tuple[Dict[str, Tensor], Tensor]]
+LossFn = Callable[[StaticBatch], Tuple[Dict[str, Tensor], Dict[str, Tensor], Tensor]]
 
 
 def compile_static_losses(model: FasterRCNN, nms_max_iters: int, backend: str = "inductor") -> LossFn:
@@ -46,7 +49,8 @@ def unwrap(model: nn.Module) -> FasterRCNN:
 
 
 class StaticForward:
-    """``forward(images, targets) -> {"loss_rpn_cls", ...}`` through the static step.
+    """``forward(images, targets) -> {"loss_rpn_cls", ...}`` (a ``TrainingLosses``) through
+    the static step.
 
     Args:
         model: the ``FasterRCNN`` (in training mode, on its device).
@@ -57,7 +61,7 @@ class StaticForward:
 
     Attributes:
         nms_unconverged: 0-d int64 device tensor, the proposal NMS runs (image x level)
-            that did not converge since construction. Never read here.
+            that did not converge since construction, updated in place. Never read here.
     """
 
     def __init__(self, model: FasterRCNN, max_gt: int, nms_max_iters: int, compiled: bool = False,
@@ -66,6 +70,7 @@ class StaticForward:
             raise ValueError("config key 'train.static_step' needs 'model.canvas_sizes' (the static step's batch shapes)")
         self.model = model
         self.max_gt = int(max_gt)
+        self.nms_max_iters = int(nms_max_iters)
         self.losses_fn: LossFn = (compile_static_losses(model, nms_max_iters, backend) if compiled
                                   else partial(static_losses, model, nms_max_iters=nms_max_iters))
         self.nms_unconverged = torch.zeros((), dtype=torch.int64, device=model.device)
@@ -80,10 +85,23 @@ class StaticForward:
         """The host-side preparation (``make_static_batch``)."""
         return make_static_batch(self.model, images, targets, self.max_gt)
 
-    def __call__(self, images: List[Tensor], targets: List[Dict[str, Any]]) -> Dict[str, Tensor]:
-        losses, unconverged = self.losses_fn(self.batch(images, targets))
-        self.nms_unconverged += unconverged.sum()
-        return losses
+    def __call__(self, images: List[Tensor], targets: List[Dict[str, Any]]) -> TrainingLosses:
+        return self.run(self.batch(images, targets))
+
+    def run(self, batch: StaticBatch) -> TrainingLosses:
+        """The device part of a call: the losses (statistics in ``stats``) of a prepared
+        batch; the NMS count grows on the device."""
+        losses, stats, unconverged = self.losses_fn(batch)
+        self.nms_unconverged.add_(unconverged.sum())
+        return TrainingLosses(losses, stats)
+
+    def counters(self) -> List[DeviceCounter]:
+        """``static/nms_unconverged`` for ``MetricsWriter``: its warning names
+        ``rpn.nms_max_iters``, the bound of the NMS iterations."""
+        return [DeviceCounter(
+            "static/nms_unconverged", self.nms_unconverged,
+            "static step: the proposal NMS did not converge {count} times (image x level) since the last "
+            f"record: raise config key 'rpn.nms_max_iters' (now {self.nms_max_iters})")]
 
 
 def static_forward(cfg: Config, model: nn.Module, world_size: int) -> Optional[StaticForward]:

@@ -16,8 +16,9 @@ schedule follows the iteration count.
 
 The step reads back ONE small tensor from the device per call: the flags
 ``[non-finite, stop requested]``, all-reduced across ranks under DDP so that every
-rank skips (or stops) together. Losses and the gradient norm stay on the device; the
-caller reads them at logging points only. docs/training.md says where a device-side
+rank skips (or stops) together. Losses, the gradient norm and the samplers' statistics
+(the ``stats`` of the model's ``TrainingLosses``) stay on the device; the caller reads
+them at logging points only. docs/training.md says where a device-side
 skip would remove the read-back on CUDA.
 
 The trainer and the benchmark both use this class; it needs nothing but the model,
@@ -27,7 +28,7 @@ the optimizer, the scheduler and the AMP settings.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 # turns ``train.amp`` into them for a device.
 from detector.engine.amp import AmpSettings
 from detector.engine.buffer_guard import BufferSnapshot
-
+from detector.modeling.training_stats import stats_of
 
 
 @dataclass
@@ -57,6 +58,10 @@ class StepResult:
             GradScaler, a gradient. A float16 overflow of the gradients is the scaler's
             normal calibration (it lowers its scale): skipped, but not ``nonfinite``.
         stop: some rank asked to stop (a signal); every rank sees the same value.
+        stats: float32 ``[S]`` on the device: the samplers' statistics (the model's
+            ``TrainingLosses.stats``), each the mean over the micro-batches where it is
+            defined (NaN where it is defined in none). Not synchronised.
+        stat_names: their names, sorted (empty when the forward returns none).
     """
 
     losses: Tensor
@@ -65,6 +70,8 @@ class StepResult:
     skipped: bool
     nonfinite: bool
     stop: bool
+    stats: Tensor = field(default_factory=lambda: torch.zeros(0))
+    stat_names: Tuple[str, ...] = ()
 
 
 class TrainStep:
@@ -127,24 +134,26 @@ class TrainStep:
         for equal micro-batches of per-image-normalised losses that is the loss of the
         joint batch (see docs/training.md). Under DDP the gradients are all-reduced once,
         after the last micro-batch (``no_sync`` on the others). The reported losses are
-        that mean."""
+        that mean; so are the statistics."""
         if not batches:
             raise ValueError("accumulate needs at least one micro-batch")
         self.optimizer.zero_grad(set_to_none=True)
         self.buffers.take()  # BatchNorm's running statistics change in the forward pass
         names: Tuple[str, ...] = ()
         parts = torch.zeros((), device=self.device)
+        stats: List[Dict[str, Tensor]] = []
         for i, (images, targets) in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last or not self._is_ddp else self.model.no_sync():
-                names, micro = self._forward_backward(images, targets, 1.0 / len(batches))
+                names, micro, micro_stats = self._forward_backward(images, targets, 1.0 / len(batches))
             parts = parts + micro
-        return self._finish(names, parts, bool(stop_requested))
+            stats.append(micro_stats)
+        return self._finish(names, parts, bool(stop_requested), *mean_stats(stats, self.device))
 
     def _forward_backward(self, images: List[Tensor], targets: List[Dict[str, Any]],
-                          weight: float) -> Tuple[Tuple[str, ...], Tensor]:
+                          weight: float) -> Tuple[Tuple[str, ...], Tensor, Dict[str, Tensor]]:
         """Forward and backward of one micro-batch; its weighted losses ``[L]`` (float32,
-        detached) in the order of the returned sorted names."""
+        detached) in the order of the returned sorted names, and its statistics."""
         with torch.autocast(device_type=self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled):
             loss_dict = self.forward(images, targets)
         names = tuple(sorted(loss_dict))
@@ -152,9 +161,10 @@ class TrainStep:
         if weight != 1.0:
             parts = parts * weight
         self.scaler.scale(parts.sum()).backward()
-        return names, parts.detach()
+        return names, parts.detach(), stats_of(loss_dict)
 
-    def _finish(self, names: Tuple[str, ...], parts: Tensor, stop_requested: bool) -> StepResult:
+    def _finish(self, names: Tuple[str, ...], parts: Tensor, stop_requested: bool, stat_names: Tuple[str, ...],
+                stats: Tensor) -> StepResult:
         """Unscale, norm, clip, the non-finite check, then the optimizer step or the skip."""
         total = parts.sum()
         self.scaler.unscale_(self.optimizer)  # no-op when the scaler is disabled
@@ -189,4 +199,20 @@ class TrainStep:
             self.scaler.update(self.scaler.get_scale() if nonfinite else None)
         self.scheduler.step()
         losses = torch.cat([total.reshape(1), parts])
-        return StepResult(losses, ("total_loss", *names), grad_norm.detach(), skipped, nonfinite, stop)
+        return StepResult(losses, ("total_loss", *names), grad_norm.detach(), skipped, nonfinite, stop, stats,
+                          stat_names)
+
+
+@torch.no_grad()
+def mean_stats(per_batch: Sequence[Dict[str, Tensor]], device: torch.device) -> Tuple[Tuple[str, ...], Tensor]:
+    """The statistics of several micro-batches -> their sorted names (those of any
+    micro-batch) and float32 ``[S]``: per name the mean over the micro-batches where it
+    is defined (not NaN and present), on the device, without a host read."""
+    names = tuple(sorted({k for stats in per_batch for k in stats}))
+    if not names:
+        return (), torch.empty(0, device=device)
+    if len(per_batch) == 1:  # (one operator per step without accumulation)
+        return names, torch.stack([per_batch[0][k].float() for k in names])
+    missing = torch.full((), float("nan"), device=device)
+    rows = torch.stack([torch.stack([stats.get(k, missing).float() for k in names]) for stats in per_batch])
+    return names, torch.nanmean(rows, dim=0)

@@ -45,7 +45,7 @@ from detector.engine.hooks import (EMAHook, EvalHook, MetricsWriter, NonFiniteGu
 from detector.engine.early_stop import EarlyStopping
 from detector.engine.ema import ModelEMA
 from detector.engine.memory import check_batch_memory
-from detector.engine.log import EventWriters, JSONLWriter, TensorBoardWriter
+from detector.engine.log import DeviceCounter, EventWriters, JSONLWriter, TensorBoardWriter
 from detector.engine.optim import build_lr_scheduler, build_optimizer, resolve_epoch_schedule
 from detector.engine.run_folder import RunFolder, check_output_dir, check_run_folder_apart_from_data
 from detector.engine.setup import configure_torch, prepare_model
@@ -123,8 +123,8 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     model, model_without_ddp = prepare_model(model, cfg, dist.device, dist.world_size)
     optimizer = build_optimizer(model, cfg, dist.world_size)
     scheduler = build_lr_scheduler(optimizer, cfg)
-    step = TrainStep(model, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, dist.world_size,
-                     forward=static_forward(cfg, model_without_ddp, dist.world_size))
+    static = static_forward(cfg, model_without_ddp, dist.world_size)
+    step = TrainStep(model, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, dist.world_size, forward=static)
 
     state = LoopState(max_iter=cfg.solver.max_iter)
     training_state = TrainingState(model_without_ddp, optimizer, scheduler, step.scaler, state, cfg, dist.world_size)
@@ -141,7 +141,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     training_state.extras["early_stop"] = eval_hook.early_stop_state
     training_state.best = eval_hook  # checkpoints record its best value
     hooks = ([EMAHook(ema, model_without_ddp)] if ema is not None else []) + \
-        _build_hooks(cfg, dist, checkpointer, writers, step, eval_hook)
+        _build_hooks(cfg, dist, checkpointer, writers, step, eval_hook, static.counters() if static else [])
     return Trainer(model, loader, step, hooks, state, data_seed=cfg.train.seed * 1000003 + dist.rank,
                    accumulate_steps=cfg.solver.accumulate_steps,
                    rng_state=resumed.rng_state if resumed is not None else None, output_dir=output_dir,
@@ -238,13 +238,14 @@ def _open_run_records(cfg: Config, output_dir: Path, iteration: int, resumed: bo
 
 
 def _build_hooks(cfg: Config, dist: DistInfo, checkpointer: Checkpointer, writers: EventWriters, step: TrainStep,
-                 eval_hook: EvalHook) -> List[HookBase]:
-    """The hooks in their order (see ``detector.engine.hooks``)."""
+                 eval_hook: EvalHook, counters: List[DeviceCounter]) -> List[HookBase]:
+    """The hooks in their order (see ``detector.engine.hooks``); ``counters``: the step's
+    device counts, for the metrics."""
     is_main, world_size = dist.rank == 0, dist.world_size
     return [
         NonFiniteGuard(cfg.train.max_nonfinite_steps, checkpointer, world_size),
         MetricsWriter(cfg.train.log_period, step.optimizer, writers, dist.device, world_size, step.scaler,
-                      progress_bar=is_main and sys.stderr.isatty(), is_main=is_main),
+                      progress_bar=is_main and sys.stderr.isatty(), is_main=is_main, counters=counters),
         PeriodicCheckpointer(checkpointer, cfg.train.checkpoint_period),
         eval_hook,  # after the checkpointer: the final checkpoint comes before the final evaluation
         # Last: its handlers stay until every other hook has ended. After a failure the other

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from .backbone import ResNetFPN
 from .roi_heads import ROIHeads
 from .rpn import RegionProposalNetwork
+from .training_stats import TrainingLosses, stats_of
 
 
 def check_inputs(images: Sequence[Tensor], targets: Optional[Sequence[Dict[str, Tensor]]],
@@ -104,9 +105,10 @@ class FasterRCNN(nn.Module):
     """Faster R-CNN with an FPN backbone.
 
     Train mode: ``model(images, targets)`` -> ``{"loss_rpn_cls", "loss_rpn_box",
-    "loss_roi_cls", "loss_roi_box"}`` (scalars). Eval mode: ``model(images)`` -> per image
-    ``{"boxes": [M, 4], "scores": [M], "labels": [M]}`` in the coordinates of the given
-    tensor.
+    "loss_roi_cls", "loss_roi_box"}`` (scalars), as a ``TrainingLosses``: that dict, with
+    the samplers' statistics in its ``stats`` attribute (``training_stats``; no losses).
+    Eval mode: ``model(images)`` -> per image ``{"boxes": [M, 4], "scores": [M],
+    "labels": [M]}`` in the coordinates of the given tensor.
 
     ``images``: a list of ``[3, H_i, W_i]`` tensors (uint8 0..255 or float 0..1) or one
     ``[N, 3, H, W]`` tensor, on any device; the model moves them to its own device,
@@ -174,5 +176,5 @@ class FasterRCNN(nn.Module):
         pooled = [features[name] for name in self.backbone.pooled_levels]
         detections, roi_losses = self.roi_heads(pooled, proposals, sizes, targets if self.training else None)
         if self.training:
-            return {**rpn_losses, **roi_losses}
+            return TrainingLosses({**rpn_losses, **roi_losses}, {**stats_of(rpn_losses), **stats_of(roi_losses)})
         return detections

@@ -18,6 +18,7 @@ from ..ops import batched_soft_nms, multi_level_roi_align, roi_align
 from .box_coder import BoxCoder, clip_boxes
 from .losses import weighted_smooth_l1
 from .matching import IGNORE, match_by_iou, pad_boxes, pad_rows, sample_minibatch
+from .training_stats import TrainingLosses, roi_sample_stats
 
 
 class MultiLevelRoIAlign(nn.Module):
@@ -232,9 +233,10 @@ class ROIHeads(nn.Module):
         return boxes, cls.flatten(), deltas.reshape(-1, 4), sample.valid.flatten()
 
     def losses(self, class_logits: Tensor, box_deltas: Tensor, labels: Tensor, reg_targets: Tensor,
-               valid: Tensor) -> Dict[str, Tensor]:
+               valid: Tensor) -> TrainingLosses:
         """Cross-entropy and class-specific weighted SmoothL1, both divided by the number
-        of sampled RoIs in the batch.
+        of sampled RoIs in the batch; the sample's foreground fraction and classification
+        accuracy in the result's ``stats`` (``training_stats.roi_sample_stats``).
 
         Args:
             class_logits: ``[R, C]``; box_deltas: ``[R, 4C]``; labels: ``[R]``;
@@ -246,7 +248,8 @@ class ROIHeads(nn.Module):
         loss_cls = (F.cross_entropy(class_logits, labels, reduction="none") * weight).sum() / num_sampled
         targets, inside = class_specific_targets(reg_targets, labels * valid, class_logits.shape[1])
         loss_box = weighted_smooth_l1(box_deltas, targets, inside, None, self.sigma) / num_sampled
-        return {"loss_roi_cls": loss_cls, "loss_roi_box": loss_box}
+        return TrainingLosses({"loss_roi_cls": loss_cls, "loss_roi_box": loss_box},
+                              roi_sample_stats(class_logits, labels, valid))
 
     # ------------------------------------------------------------------ inference
 

@@ -16,6 +16,7 @@ from .anchors import AnchorGenerator
 from .box_coder import BoxCoder, clip_boxes
 from .losses import weighted_smooth_l1
 from .matching import Sample, match_by_iou, pad_boxes, sample_minibatch
+from .training_stats import TrainingLosses, anchor_sample_stats
 
 
 class RPNHead(nn.Module):
@@ -224,7 +225,7 @@ class RegionProposalNetwork(nn.Module):
         logits: Tensor,
         deltas: Tensor,
         targets: List[Dict[str, Tensor]],
-    ) -> Dict[str, Tensor]:
+    ) -> TrainingLosses:
         """Objectness BCE and weighted SmoothL1 on the sampled anchors, for all images at
         once (labels, sampling and targets are batched: no loop over images).
 
@@ -232,6 +233,9 @@ class RegionProposalNetwork(nn.Module):
         of sampled anchors, the box loss by the outside weights); the batch loss is the
         mean over images. An image without boxes has only background anchors and no
         box loss.
+
+        Returns a ``TrainingLosses``: the two losses, with the sampled anchors' counts in
+        its ``stats`` (``training_stats.anchor_sample_stats``).
 
         Args:
             anchors: ``[T, 4]`` all levels concatenated.
@@ -242,7 +246,7 @@ class RegionProposalNetwork(nn.Module):
         return self.padded_losses(anchors, logits, deltas, gt, gt_valid)
 
     def padded_losses(self, anchors: Tensor, logits: Tensor, deltas: Tensor, gt: Tensor,
-                      gt_valid: Tensor) -> Dict[str, Tensor]:
+                      gt_valid: Tensor) -> TrainingLosses:
         """``losses`` with the ground truth already padded: ``gt`` ``[N, G, 4]`` (padding
         slots hold ``matching.PAD_BOX``), ``gt_valid`` ``[N, G]`` bool (G >= 1). Shapes
         depend on the inputs' shapes only (the static step uses it as is)."""
@@ -262,7 +266,7 @@ class RegionProposalNetwork(nn.Module):
         sampled_deltas = deltas.gather(1, idx[:, :, None].expand(-1, -1, 4))
         loss_box = weighted_smooth_l1(sampled_deltas, reg_targets, inside, outside, self.sigma)
         n = max(gt.shape[0], 1)
-        return {"loss_rpn_cls": loss_cls / n, "loss_rpn_box": loss_box / n}
+        return TrainingLosses({"loss_rpn_cls": loss_cls / n, "loss_rpn_box": loss_box / n}, anchor_sample_stats(sample))
 
     # ------------------------------------------------------------------ forward
 

@@ -30,6 +30,7 @@ from .nms import DEFAULT_MAX_ITERS
 from .rpn import flatten_head_outputs
 from .static_roi_heads import static_roi_losses
 from .static_rpn import static_proposals
+from .training_stats import stats_of
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +95,15 @@ def make_static_batch(model: FasterRCNN, images: Sequence[Tensor], targets: Sequ
 
 
 def static_losses(model: FasterRCNN, batch: StaticBatch,
-                  nms_max_iters: int = DEFAULT_MAX_ITERS) -> Tuple[Dict[str, Tensor], Tensor]:
+                  nms_max_iters: int = DEFAULT_MAX_ITERS) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], Tensor]:
     """The four training losses of ``model`` (in training mode) for a ``StaticBatch``.
 
     Returns:
-        ``{"loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box"}`` (scalars)
-        and a ``[B * L]`` bool device tensor: the proposal NMS of that image and level
-        did not converge within ``nms_max_iters`` (read it at logging points only).
+        ``{"loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box"}`` (scalars),
+        the samplers' statistics (``training_stats``: the eager model's ``stats``, 0-d
+        detached) and a ``[B * L]`` bool device tensor: the proposal NMS of that image
+        and level did not converge within ``nms_max_iters``. Read the last two at
+        logging points only.
     """
     features = model.backbone(batch.images)
     feature_list: List[Tensor] = list(features.values())
@@ -116,4 +119,5 @@ def static_losses(model: FasterRCNN, batch: StaticBatch,
     pooled = [features[name] for name in model.backbone.pooled_levels]
     roi_losses = static_roi_losses(model.roi_heads, pooled, props.boxes, props.valid, gt_boxes, batch.gt_labels,
                                    batch.gt_valid)
-    return {**rpn_losses, **roi_losses}, props.nms_unconverged
+    stats = {**stats_of(rpn_losses), **stats_of(roi_losses)}
+    return {**rpn_losses, **roi_losses}, stats, props.nms_unconverged

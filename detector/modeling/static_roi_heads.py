@@ -10,7 +10,7 @@ RoIAlign per pooled level instead of one in all, with the same values per RoI.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from torchvision.ops import roi_align as tv_roi_align
 from .matching import PAD_BOX
 from ..ops.roi_align import rois_for_kernel
 from .roi_heads import MultiLevelRoIAlign, ROIHeads
+from .training_stats import TrainingLosses
 
 
 def static_roi_align(pooler: MultiLevelRoIAlign, features: List[Tensor], boxes: Tensor) -> Tensor:
@@ -42,8 +43,9 @@ def static_roi_align(pooler: MultiLevelRoIAlign, features: List[Tensor], boxes: 
 
 
 def static_roi_losses(roi_heads: ROIHeads, features: List[Tensor], proposals: Tensor, proposals_valid: Tensor,
-                      gt_boxes: Tensor, gt_labels: Tensor, gt_valid: Tensor) -> Dict[str, Tensor]:
-    """``loss_roi_cls`` and ``loss_roi_box`` for padded inputs.
+                      gt_boxes: Tensor, gt_labels: Tensor, gt_valid: Tensor) -> TrainingLosses:
+    """``loss_roi_cls`` and ``loss_roi_box`` for padded inputs (with the sample's
+    statistics in ``stats``, as ``ROIHeads.losses``).
 
     Args:
         features: the pooled levels, ``[B, C, H_l, W_l]`` each.

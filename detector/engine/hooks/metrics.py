@@ -1,17 +1,17 @@
-"""``MetricsWriter``: losses, LRs, timings, memory and the AMP scale to the console,
-``metrics.jsonl`` and TensorBoard."""
+"""``MetricsWriter``: losses, the samplers' statistics, device counters, LRs, timings,
+memory and the AMP scale to the console, ``metrics.jsonl`` and TensorBoard."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from detector.engine.log import EventWriters, format_console_line, format_eta, peak_memory_mb
+from detector.engine.log import DeviceCounter, EventWriters, format_console_line, format_eta, peak_memory_mb
 from detector.engine.train_loop import HookBase, LoopState
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,12 @@ class MetricsWriter(HookBase):
     console, ``metrics.jsonl`` and TensorBoard. Per iteration it only keeps the step's
     device tensors: nothing is read back outside logging points.
 
+    The samplers' statistics (``StepResult.stats``: ``rpn/num_pos_anchors``, ...) are
+    window means too, over the steps (and ranks) where they are defined; one defined
+    nowhere in the window is left out. They go to ``metrics.jsonl`` and TensorBoard
+    under their names, not to the console line. Each ``DeviceCounter`` is recorded as
+    its growth since the last record (summed over ranks), with its warning when it grew.
+
     Console: with ``progress_bar`` a tqdm bar with ETA (the log line then goes to
     ``log.txt`` only); otherwise one log line with ETA per period.
 
@@ -39,6 +45,7 @@ class MetricsWriter(HookBase):
         world_size: > 1: losses are averaged over ranks (all ranks take part).
         scaler: a GradScaler whose scale is recorded when it is enabled.
         progress_bar: show a tqdm bar on stderr (rank 0 in a terminal).
+        counters: counts kept on the device by the step (``StaticForward.counters``).
     """
 
     def __init__(
@@ -51,6 +58,7 @@ class MetricsWriter(HookBase):
         scaler: Optional[torch.amp.GradScaler] = None,
         progress_bar: bool = False,
         is_main: bool = True,
+        counters: Sequence[DeviceCounter] = (),
     ) -> None:
         if period <= 0:
             raise ValueError(f"train.log_period must be > 0, got {period}")
@@ -62,6 +70,8 @@ class MetricsWriter(HookBase):
         self.scaler = scaler
         self.progress_bar = progress_bar
         self.is_main = is_main
+        self.counters = list(counters)
+        self._counted = [0.0] * len(self.counters)  # each counter's value (all ranks) at the last record
         self._bar: Optional[tqdm] = None
         self._reset(time.perf_counter())
         self._recent_iter_times: List[float] = []
@@ -69,6 +79,8 @@ class MetricsWriter(HookBase):
     def _reset(self, now: float) -> None:
         self._losses: List[torch.Tensor] = []
         self._grad_norms: List[torch.Tensor] = []
+        self._stats: List[torch.Tensor] = []
+        self._stat_names: Tuple[str, ...] = ()
         self._names: tuple = ()
         self._skipped = 0
         self._images = 0
@@ -93,6 +105,10 @@ class MetricsWriter(HookBase):
             self._skipped += 1
         else:
             self._losses.append(step.losses)
+            if step.stat_names:
+                if step.stat_names != self._stat_names:  # (a forward that changed its statistics)
+                    self._stats, self._stat_names = [], step.stat_names
+                self._stats.append(step.stats)
         if not step.skipped:  # (a float16 overflow has finite losses but no finite norm)
             self._grad_norms.append(step.grad_norm)
         if self._bar is not None:
@@ -109,20 +125,48 @@ class MetricsWriter(HookBase):
             self._bar.close()
             self._bar = None
 
+    def _reduce(self, n: int) -> List[float]:
+        """The window's device figures, reduced over ranks and read back (the read-back
+        of a logging point): ``n`` mean losses, the mean gradient norm (both averaged
+        over ranks), images, skipped steps, then per statistic the sum and the count of
+        its defined values, then each counter's value (all summed over ranks)."""
+        nan = torch.full((1,), float("nan"), device=self.device)
+        mean = torch.stack(self._losses).mean(0) if self._losses else nan.expand(n)
+        grad_norm = torch.stack(self._grad_norms).mean().reshape(1) if self._grad_norms else nan
+        counts = torch.tensor([float(self._images), float(self._skipped)], device=mean.device)
+        parts = [mean.float(), grad_norm.float(), counts]
+        if self._stats:
+            rows = torch.stack(self._stats).float()  # [steps, S]
+            defined = ~torch.isnan(rows)
+            parts += [torch.where(defined, rows, 0.0).sum(0), defined.sum(0).float()]
+        parts += [c.value.detach().to(mean.device, torch.float32).reshape(1) for c in self.counters]
+        figures = torch.cat(parts)
+        if self.world_size > 1:
+            dist.all_reduce(figures)
+            figures[: n + 1] /= self.world_size
+        return figures.tolist()
+
+    def _stats_and_counters(self, values: List[float]) -> Dict[str, float]:
+        """``_reduce``'s values past the fixed figures -> each defined statistic's window
+        mean and each counter's growth since the last record (a warning when it grew)."""
+        size = len(self._stat_names) if self._stats else 0
+        sums, defined, current = values[:size], values[size:2 * size], values[2 * size:]
+        out = {k: total / count for k, total, count in zip(self._stat_names, sums, defined) if count > 0}
+        for i, (counter, value) in enumerate(zip(self.counters, current)):
+            grown = int(round(value - self._counted[i]))
+            self._counted[i] = value
+            out[counter.name] = grown
+            if grown > 0 and self.is_main:
+                logger.warning(counter.message.format(count=grown))
+        return out
+
     def write(self, state: LoopState) -> Dict[str, Any]:
         """Reduce the window, write the record and start a new window; returns the record."""
         now = time.perf_counter()
         names = list(self._names)
         n = len(names)
-        nan = torch.full((1,), float("nan"), device=self.device)
-        mean = torch.stack(self._losses).mean(0) if self._losses else nan.expand(n)
-        grad_norm = torch.stack(self._grad_norms).mean().reshape(1) if self._grad_norms else nan
-        counts = torch.tensor([float(self._images), float(self._skipped)], device=mean.device)
-        stats = torch.cat([mean.float(), grad_norm.float(), counts])
-        if self.world_size > 1:
-            dist.all_reduce(stats)
-            stats[: n + 1] /= self.world_size
-        values = stats.tolist()  # the read-back of a logging point
+        values = self._reduce(n)
+        extra = self._stats_and_counters(values[n + 3:])
         elapsed = now - self._window_start
         iter_time = elapsed / max(1, self._count)
         self._recent_iter_times = (self._recent_iter_times + [iter_time])[-5:]
@@ -141,12 +185,19 @@ class MetricsWriter(HookBase):
             "images_per_sec": values[n + 1] / max(elapsed, 1e-9),
             "memory_mb": peak_memory_mb(self.device),
             "nonfinite_skipped": int(values[n + 2]),
+            **extra,
         }
         if self.scaler is not None and self.scaler.is_enabled():
             record["amp_scale"] = float(self.scaler.get_scale())
         self._reset(time.perf_counter())
-        if not self.is_main:
-            return record
+        if self.is_main:
+            self._log(record, names, list(extra), lrs, state, eta)
+        return record
+
+    def _log(self, record: Dict[str, Any], names: List[str], extra: List[str], lrs: Dict[str, float],
+             state: LoopState, eta: float) -> None:
+        """Rank 0: the console line (or the progress bar), ``metrics.jsonl`` and the
+        TensorBoard scalars (``extra``: the statistics and counters, under their names)."""
         line = format_console_line(record, state.max_iter, eta, lrs)
         if self._bar is not None:
             logger.debug(line)  # to log.txt; the bar shows the figures
@@ -160,7 +211,7 @@ class MetricsWriter(HookBase):
             "train/grad_norm": record["grad_norm"], "time/iter": record["time"], "time/data": record["data_time"],
             "train/images_per_sec": record["images_per_sec"], "memory/peak_mb": record["memory_mb"],
         })
+        scalars.update({k: float(record[k]) for k in extra})
         if "amp_scale" in record:
             scalars["train/amp_scale"] = record["amp_scale"]
         self.writers.write(record, scalars, state.iteration)
-        return record
