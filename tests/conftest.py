@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Callable, List, Optional, Union
@@ -41,7 +42,11 @@ def _detach_log_handlers():
 
 
 def load_tool(name: str) -> ModuleType:
-    """``tools/<name>.py`` as a fresh module (the tools are scripts, not a package)."""
+    """``tools/<name>.py`` as a fresh module (the tools are scripts, not a package). As
+    ``python tools/<name>.py`` does, ``tools/`` is on ``sys.path`` (each tool's first
+    import is ``tools/_bootstrap.py``)."""
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
     spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
