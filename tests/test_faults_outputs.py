@@ -182,6 +182,21 @@ def test_export_to_a_folder_is_one_line(weights, tmp_path, capsys):
     assert leftovers(tmp_path) == ["m.pt"]
 
 
+# ----------------------------------------------------------------- tools/benchmark.py --json
+
+
+def test_benchmark_json_on_a_full_disk_is_one_line_and_leaves_no_file(full_disk, capsys):
+    """``--json F`` is written through ``atomic_write``: on a full disk one line naming F,
+    and no partial F (a plain write_text left one, and never fsynced)."""
+    out = full_disk / "bench.json"
+    rc = load_tool("benchmark").main(["--config", str(TINY_CPU), "--task", "eval", "--iters", "1", "--warmup", "0",
+                                      "--eval-images", "4", "--eval-boxes", "2", "--json", str(out)])
+    assert rc == 1
+    msg = one_line(capsys.readouterr().err)
+    assert msg.startswith(f"error: cannot write {out}: ") and "no space left" in msg
+    assert leftovers(full_disk) == []
+
+
 # ----------------------------------------------------------------- tools/infer.py
 
 

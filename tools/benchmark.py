@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 from _bootstrap import ROOT  # first: environment and sys.path, see tools/_bootstrap.py
 
@@ -31,6 +30,7 @@ from benchmarks.scaling import ScalingSweep  # noqa: E402
 from benchmarks.static_check import format_static_check, static_check  # noqa: E402
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
+from detector.files import write_text  # noqa: E402
 
 DEMO_CONFIG = ROOT / "configs" / "demo_shapes.yaml"
 
@@ -107,8 +107,7 @@ def benchmark(args: argparse.Namespace) -> int:
         result = _run(args)
         print(format_summary(result))
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
+        write_text(args.json_out, json.dumps(result, indent=2))
     return 0
 
 
