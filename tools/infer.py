@@ -68,6 +68,7 @@ def infer(args: argparse.Namespace) -> int:
         transform=build_transforms(cfg, is_train=False, seed=0),
         score_thresh=args.score_thresh,
         tta=tta_settings(cfg),
+        apply_exif=cfg.data.apply_exif,  # read as training and evaluation read images
     )
     write_json(Path(args.output_dir) / "detections.json", records)
     print(f"{len(records)} image(s) written to {args.output_dir}")
