@@ -188,10 +188,20 @@ def run_inference(
 
 def _forward(net: nn.Module, images: List[torch.Tensor], orig_sizes: Sequence[Any],
              tta: Optional[TTASettings]) -> List[Dict[str, torch.Tensor]]:
-    """``net(images)``, or with ``tta`` its test-time augmented detections (same frame)."""
+    """``net(images)``, or with ``tta`` its test-time augmented detections (same frame).
+
+    Raises:
+        ValueError: with ``tta``, an image not at its original size (a data set or
+            transform built without ``eval.tta.sizes`` resized it: TTA would resize it again).
+    """
     if tta is None:
         return net(images)
     sizes = [tuple(int(v) for v in torch.as_tensor(s).reshape(2).tolist()) for s in orig_sizes]
+    for img, size in zip(images, sizes):
+        if tuple(img.shape[-2:]) != size:
+            raise ValueError(f"eval.tta: an image of {size[0]}x{size[1]} arrives resized to "
+                             f"{img.shape[-2]}x{img.shape[-1]}; build the data set or transform from the config "
+                             "with eval.tta.sizes (its eval transform keeps the original size)")
     return tta_forward(net, images, sizes, tta)
 
 
