@@ -16,7 +16,7 @@ from PIL import Image
 from detector.evaluation import COCO_METRIC_NAMES
 from detector.evaluation.plots import plot_confusion_matrix, plot_pr_curves
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
-from eval_fixtures import make_coco_case, pycocotools_stats
+from cases import make_coco_case, pycocotools_stats
 
 from conftest import ROOT  # noqa: E402
 

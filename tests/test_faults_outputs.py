@@ -21,7 +21,7 @@ from PIL import Image
 
 from detector.files import OutputError, atomic_write, write_text
 from conftest import load_tool
-from eval_fixtures import make_coco_case
+from cases import make_coco_case
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CPU = ROOT / "configs" / "tiny_cpu.yaml"
