@@ -309,42 +309,48 @@ def barrier(info: Optional[DistInfo] = None) -> None:
             dist.barrier()
 
 
-def all_gather_object(obj: Any) -> List[Any]:
-    """Gather any picklable object from every rank; returns a list indexed by rank."""
+def all_gather_object(obj: Any, info: Optional[DistInfo] = None) -> List[Any]:
+    """Gather any picklable object from every rank; returns a list indexed by rank
+    (``watch``-ed; ``info`` names the ranks and sets the slow threshold)."""
     if not is_dist() or get_world_size() == 1:
         return [obj]
     out: List[Any] = [None] * get_world_size()
-    with watch("all_gather_object"):
+    with watch("all_gather_object", info):
         dist.all_gather_object(out, obj)
     return out
 
 
-def all_gather_padded(tensor: torch.Tensor) -> List[torch.Tensor]:
+def all_gather_padded(tensor: torch.Tensor, info: Optional[DistInfo] = None) -> List[torch.Tensor]:
     """``all_gather`` for tensors whose first dimension differs between ranks.
 
     Each rank's tensor ``[N_r, ...]`` is padded to the largest ``N`` before the
-    collective and cut back afterwards; returns ``[tensor_r for r in ranks]``.
+    collective and cut back afterwards; returns ``[tensor_r for r in ranks]``. Both
+    collectives are ``watch``-ed (``info`` as in ``all_gather_object``).
     """
     if not is_dist() or get_world_size() == 1:
         return [tensor]
     size = torch.tensor([tensor.shape[0]], device=tensor.device, dtype=torch.long)
     sizes = [torch.zeros_like(size) for _ in range(get_world_size())]
-    dist.all_gather(sizes, size)
-    n_max = int(max(s.item() for s in sizes))
-    padded = tensor.new_zeros((n_max, *tensor.shape[1:]))
-    padded[: tensor.shape[0]] = tensor
-    gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded)
+    with watch("all_gather_padded", info):
+        dist.all_gather(sizes, size)
+        n_max = int(max(s.item() for s in sizes))
+        padded = tensor.new_zeros((n_max, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(gathered, padded)
     return [g[: int(s.item())] for g, s in zip(gathered, sizes)]
 
 
-def reduce_dict(values: Dict[str, torch.Tensor], average: bool = True) -> Dict[str, torch.Tensor]:
-    """All-reduce a dict of scalar tensors (same keys on every rank); mean by default."""
+def reduce_dict(values: Dict[str, torch.Tensor], average: bool = True,
+                info: Optional[DistInfo] = None) -> Dict[str, torch.Tensor]:
+    """All-reduce a dict of scalar tensors (same keys on every rank); mean by default
+    (``watch``-ed; ``info`` as in ``all_gather_object``)."""
     if not is_dist() or get_world_size() == 1:
         return values
     names = sorted(values)
     stacked = torch.stack([values[k].detach().float() for k in names])
-    dist.all_reduce(stacked)
+    with watch("reduce_dict", info):
+        dist.all_reduce(stacked)
     if average:
         stacked /= get_world_size()
     return dict(zip(names, stacked))

@@ -77,7 +77,8 @@ def atomic_write(path: "str | os.PathLike", writer: Callable[[IO[Any]], Any], mo
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, ValueError, RuntimeError) as exc:
-        raise OutputError(f"cannot write {path}: {_reason(exc)}") from None
+        # The cause stays attached: for log.txt, and for callers that word their own line.
+        raise OutputError(f"cannot write {path}: {_reason(exc)}") from exc
     finally:
         try:
             tmp.unlink()

@@ -6,9 +6,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import pytest
 import torch
@@ -41,7 +44,11 @@ def _detach_log_handlers():
 
 
 def load_tool(name: str) -> ModuleType:
-    """``tools/<name>.py`` as a fresh module (the tools are scripts, not a package)."""
+    """``tools/<name>.py`` as a fresh module (the tools are scripts, not a package). As
+    ``python tools/<name>.py`` does, ``tools/`` is on ``sys.path`` (each tool's first
+    import is ``tools/_bootstrap.py``)."""
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
     spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -62,6 +69,26 @@ def tiny_overrides(data_root: PathLike, output_dir: Optional[PathLike] = None, *
 def tiny_config(data_root: PathLike, output_dir: Optional[PathLike] = None, *extra: str) -> Config:
     """``load_config(TINY_CONFIG, tiny_overrides(data_root, output_dir, *extra))``."""
     return load_config(TINY_CONFIG, tiny_overrides(data_root, output_dir, *extra))
+
+
+def signal_train_run(data_root: PathLike, output_dir: PathLike, sig: int,
+                     wait_s: float = 120) -> Tuple[subprocess.Popen, str, List[str]]:
+    """``tools/train.py --config TINY_CONFIG`` (data under ``data_root``, run folder
+    ``output_dir``, ``solver.max_iter=1000``) in a subprocess, sent signal ``sig`` once
+    ``metrics.jsonl`` holds two records (waiting at most ``wait_s`` seconds).
+
+    Returns ``(the ended process, its stdout and stderr, its argv)``; the last two argv
+    items are ``solver.max_iter=1000 train.deterministic=false``."""
+    args = [sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(TINY_CONFIG),
+            *tiny_overrides(data_root, output_dir), "solver.max_iter=1000", "train.deterministic=false"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = Path(output_dir) / "metrics.jsonl"
+    deadline = time.time() + wait_s
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    stdout, _ = proc.communicate(timeout=120)
+    return proc, stdout, args
 
 
 def pytest_collection_modifyitems(config, items):

@@ -106,21 +106,18 @@ def test_coco_field_of_wrong_type_is_one_named_line(tmp_path, section, field, va
     assert msg.startswith(expected), msg
 
 
-@pytest.mark.parametrize("field", ["id", "file_name", "width", "height"])
-def test_coco_image_without_a_required_field(tmp_path, field):
-    image = json.loads(IMAGE)
-    del image[field]
-    img_dir, ann = write(tmp_path, coco_text(image=json.dumps(image)))
-    with pytest.raises(DataError, match=rf"^annotation file .*instances\.json: images\[0\] has no '{field}'$"):
-        CocoDetection(img_dir, ann)
+REQUIRED_FIELDS = [("images", f) for f in ("id", "file_name", "width", "height")] + \
+                  [("annotations", f) for f in ("id", "image_id", "category_id", "bbox")]
 
 
-@pytest.mark.parametrize("field", ["id", "image_id", "category_id", "bbox"])
-def test_coco_annotation_without_a_required_field(tmp_path, field):
-    annotation = json.loads(ANNOTATION)
-    del annotation[field]
-    img_dir, ann = write(tmp_path, coco_text(annotation=json.dumps(annotation)))
-    with pytest.raises(DataError, match=rf"^annotation file .*instances\.json: annotations\[0\] has no '{field}'$"):
+@pytest.mark.parametrize("section,field", REQUIRED_FIELDS, ids=[f"{s}.{f}" for s, f in REQUIRED_FIELDS])
+def test_coco_record_without_a_required_field(tmp_path, section, field):
+    parts = {"image": IMAGE, "annotation": ANNOTATION}
+    key = section[:-1]  # images -> image: coco_text's argument
+    record = json.loads(parts[key])
+    del record[field]
+    img_dir, ann = write(tmp_path, coco_text(**{key: json.dumps(record)}))
+    with pytest.raises(DataError, match=rf"^annotation file .*instances\.json: {section}\[0\] has no '{field}'$"):
         CocoDetection(img_dir, ann)
 
 
@@ -303,45 +300,43 @@ TOOL_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(TOOL_CASES))
-def test_tools_give_the_same_one_line(tmp_path, capsys, name):
-    text, reason = TOOL_CASES[name]
-    img_dir, ann = write(tmp_path, text)
-    expected = f"annotation file {ann}: {reason}"
-
+def assert_tools_give(tmp_path, capsys, expected: str, data: dict, split_source: list, eval_source: list):
+    """tools/check_dataset.py (a config whose ``data`` section is ``data``), then
+    tools/split_dataset.py and tools/eval.py --predictions (their sources ``split_source``
+    and ``eval_source``) each stop with ``expected`` as their one line; the splitter
+    writes nothing."""
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"data": {"format": "coco", "train": {"root": str(img_dir), "ann_file": str(ann)}}}))
+    config.write_text(yaml.safe_dump({"data": data}))
     assert load_tool("check_dataset").main(["--config", str(config), "--no-decode"]) == 1
     out = capsys.readouterr()
     assert "Traceback" not in out.out + out.err and expected in out.out, out.out
 
-    assert load_tool("split_dataset").main(["--annotations", str(ann), "--out", str(tmp_path / "s"),
+    assert load_tool("split_dataset").main([*split_source, "--out", str(tmp_path / "s"),
                                             "--fractions", "0.5", "0.5"]) == 1
     out = capsys.readouterr()
     assert out.err.strip().splitlines() == [f"error: {expected}"] and not (tmp_path / "s").exists()
 
     (tmp_path / "dets.json").write_text("[]")
-    assert load_tool("eval").main(["--predictions", str(tmp_path / "dets.json"), "--annotations", str(ann)]) == 1
+    assert load_tool("eval").main(["--predictions", str(tmp_path / "dets.json"), *eval_source]) == 1
     out = capsys.readouterr()
     assert out.err.strip().splitlines() == [f"error: {expected}"], out.err
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_CASES))
+def test_tools_give_the_same_one_line(tmp_path, capsys, name):
+    text, reason = TOOL_CASES[name]
+    img_dir, ann = write(tmp_path, text)
+    assert_tools_give(tmp_path, capsys, f"annotation file {ann}: {reason}",
+                      {"format": "coco", "train": {"root": str(img_dir), "ann_file": str(ann)}},
+                      ["--annotations", str(ann)], ["--annotations", str(ann)])
 
 
 def test_voc_tools_give_the_same_one_line(tmp_path, capsys):
     root = voc_root(tmp_path, obj=box(extra="<difficult>false</difficult>"))
     expected = (f"VOC annotation file {root / 'Annotations' / '000001.xml'}: "
                 f"object[0].difficult: expected 0 or 1, got \"false\"")
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"data": {"format": "voc", "train": {"root": str(root), "split": "train"}}}))
-    assert load_tool("check_dataset").main(["--config", str(config), "--no-decode"]) == 1
-    out = capsys.readouterr()
-    assert "Traceback" not in out.out + out.err and expected in out.out, out.out
-    assert load_tool("split_dataset").main(["--voc-root", str(root), "--out", str(tmp_path / "s"),
-                                            "--fractions", "0.5", "0.5"]) == 1
-    assert capsys.readouterr().err.strip().splitlines() == [f"error: {expected}"]
-    (tmp_path / "dets.json").write_text("[]")
-    assert load_tool("eval").main(["--predictions", str(tmp_path / "dets.json"), "--voc-root", str(root),
-                                   "--voc-split", "train"]) == 1
-    assert capsys.readouterr().err.strip().splitlines() == [f"error: {expected}"]
+    assert_tools_give(tmp_path, capsys, expected, {"format": "voc", "train": {"root": str(root), "split": "train"}},
+                      ["--voc-root", str(root)], ["--voc-root", str(root), "--voc-split", "train"])
 
 
 def test_ground_truth_to_score_against_needs_only_image_ids(tmp_path):

@@ -8,9 +8,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from detector.distributed import DistInfo, lost_rank_message
+from conftest import ROOT
 
 GLOO_LOST = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:19586. "
                          "This is typically caused by a remote worker crashing.")
@@ -48,3 +50,66 @@ def test_other_errors_are_left_alone():
     assert lost_rank_message(ValueError("Connection closed by peer"), info(0, peers), wait_s=0) is None
     assert lost_rank_message(GLOO_LOST, None) is None
     assert lost_rank_message(GLOO_LOST, info(0, peers[:1])) is None  # one process: no peer to lose
+
+
+# --------------------------------------------------------------------------- the watchdog
+
+WATCHED_TIMEOUT_S = 4
+# One rank of two: rank 1 joins the process group, then never arrives at the collective;
+# rank 0 runs it and, as tools/train.py and tools/eval.py do, turns the error into one line.
+NEVER_ARRIVES = """
+import logging, sys, time
+import torch
+from detector import distributed as d
+logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+info = d.init_distributed("cpu", backend="gloo", timeout_s={timeout})
+if info.rank == 1:
+    time.sleep({timeout} + 30)
+    sys.exit(0)
+collective = {{
+    "all_gather_object": lambda: d.all_gather_object({{"x": 1}}, info),
+    "all_gather_padded": lambda: d.all_gather_padded(torch.ones(3, 2), info),
+    "reduce_dict": lambda: d.reduce_dict({{"loss": torch.ones(())}}, info=info),
+}}[sys.argv[1]]
+t0 = time.monotonic()
+try:
+    collective()
+except RuntimeError as exc:
+    print(f"error: {{d.lost_rank_message(exc, info)}}", file=sys.stderr)
+    print(f"ended after {{time.monotonic() - t0:.1f}} s")
+    sys.exit(1)
+print("the collective returned")
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("collective", ["all_gather_object", "all_gather_padded", "reduce_dict"])
+def test_a_rank_that_never_arrives_ends_the_other_within_the_timeout(collective, tmp_path):
+    """Two gloo ranks, train.dist_timeout_s=4: rank 1 never calls the collective. Rank 0
+    logs that it waits (watch, before the timeout), then ends with one line naming the
+    timeout, within it (plus lost_rank_message's 3 s look for a stopped or ended peer)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = NEVER_ARRIVES.format(timeout=WATCHED_TIMEOUT_S)
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT), NO_ALBUMENTATIONS_UPDATE="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", script, collective], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        out, err = procs[0].communicate(timeout=120)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 1, out + err
+    errors = [line for line in err.splitlines() if line.strip()]
+    assert errors == [f"error: another rank did not answer within train.dist_timeout_s={WATCHED_TIMEOUT_S} s "
+                      "(frozen, stopped or on a lost host), so rank 0 stops too; resume with --resume, or launch "
+                      "with torchrun --max-restarts=N ... --resume to restart automatically"], out + err
+    assert f"rank 0: waiting for the other rank(s) for 1 s in {collective}; the run stops at " \
+           f"train.dist_timeout_s={WATCHED_TIMEOUT_S} s" in out, out
+    ended = float(out.split("ended after ")[1].split()[0])
+    assert ended < WATCHED_TIMEOUT_S + 3 + 3, out

@@ -12,7 +12,7 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from detector.evaluation.coco import COCO_METRIC_NAMES, UnknownImageError, coco_evaluate
-from eval_fixtures import make_coco_case
+from cases import make_coco_case
 
 
 def reference_stats(gt, dets, cat_ids=None):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from detector.evaluation import COCO_METRIC_NAMES
-from eval_fixtures import pycocotools_stats
+from cases import pycocotools_stats
 from conftest import load_tool
 
 pytestmark = pytest.mark.realdata

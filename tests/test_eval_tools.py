@@ -16,7 +16,7 @@ from PIL import Image
 from detector.evaluation import COCO_METRIC_NAMES
 from detector.evaluation.plots import plot_confusion_matrix, plot_pr_curves
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
-from eval_fixtures import make_coco_case, pycocotools_stats
+from cases import make_coco_case, pycocotools_stats
 
 from conftest import ROOT  # noqa: E402
 
@@ -159,6 +159,47 @@ def test_infer_writes_one_annotated_image_per_input(tmp_path):
          "--input", str(tmp_path / "nothing"), "--output-dir", str(out)]
     )
     assert rc == 1
+
+
+def test_infer_reads_exif_orientation_as_the_data_sets_do(tmp_path, caplog):
+    """A JPEG stored 60x100 with EXIF orientation 6 (viewers turn it a quarter): with
+    data.apply_exif=true, tools/infer.py reads it turned, as training and evaluation do
+    (detector.data.files.decode_image): the record has the displayed size 100x60 and the
+    boxes of the same pixels saved turned, without a tag; with the default (false) it
+    is read as stored, with the data sets' warning naming the file."""
+    from PIL import ImageOps
+
+    from detector.config import load_config
+    from detector.modeling import build_model
+
+    cfg_args = ["roi_heads.score_thresh=0.01", "input.min_size_test=96", "input.max_size_test=128"]
+    torch.manual_seed(0)
+    torch.save(build_model(load_config(TINY_CONFIG, cfg_args)).state_dict(), tmp_path / "w.pth")
+    (tmp_path / "tagged").mkdir()
+    (tmp_path / "plain").mkdir()
+    stored = Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 100, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(tmp_path / "tagged" / "photo.jpg", exif=exif)
+    with Image.open(tmp_path / "tagged" / "photo.jpg") as img:
+        ImageOps.exif_transpose(img).save(tmp_path / "plain" / "photo.png")
+
+    def infer(folder, *extra):
+        out = tmp_path / f"out_{folder}_{len(extra)}"
+        rc = load_tool("infer").main(["--config", str(TINY_CONFIG), "--weights", str(tmp_path / "w.pth"),
+                                      "--input", str(tmp_path / folder), "--output-dir", str(out),
+                                      "--score-thresh", "0.0", *cfg_args, *extra])
+        assert rc == 0
+        return json.loads((out / "detections.json").read_text())[0]
+
+    turned, plain = infer("tagged", "data.apply_exif=true"), infer("plain")
+    assert (turned["height"], turned["width"]) == (plain["height"], plain["width"]) == (100, 60)
+    assert len(plain["boxes"]) > 0 and turned["boxes"] == plain["boxes"] and turned["scores"] == plain["scores"]
+    assert not [r for r in caplog.records if "EXIF" in r.getMessage()]
+    as_stored = infer("tagged")
+    assert (as_stored["height"], as_stored["width"]) == (60, 100)
+    assert [r.getMessage() for r in caplog.records if "EXIF orientation 6" in r.getMessage()
+            and "photo.jpg" in r.getMessage() and r.levelname == "WARNING"]
 
 
 # --------------------------------------------------------------------------- model-based parts

@@ -224,6 +224,22 @@ def test_tool_missing_weights_is_one_line(tmp_path, capsys):
     assert code == 1 and err.startswith("error: ") and "none.pth" in err and len(err.strip().splitlines()) == 1
 
 
+def test_tool_refuses_soft_nms_naming_the_key(model, tmp_path, capsys):
+    """roi_heads.nms.type=soft: a trace would fix Soft-NMS's loop to the example image (the
+    second test image then mismatches); export and --verify-only refuse with one line
+    naming the key, and write nothing."""
+    weights, out = tmp_path / "w.pth", tmp_path / "model.pt"
+    torch.save(model.state_dict(), weights)
+    argv = ["--config", str(TINY_CONFIG), "--weights", str(weights), "--format", "torchscript",
+            "--output", str(out), "--image-size", "64", "96", *OVERRIDES, "roi_heads.nms.type=soft"]
+    for extra in ([], ["--verify-only"]):
+        assert TOOL.main([*argv, *extra]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: roi_heads.nms.type=soft cannot be exported") and "nms.type=hard" in err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert not out.exists()
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from PIL import Image
 from detector.config import ConfigError
 from detector.data.shapes import ensure_shapes
 from detector.engine.run_folder import RunFolder, check_run_folder_apart_from_data
-from conftest import TINY_CONFIG, load_tool, tiny_config, tiny_overrides
+from conftest import TINY_CONFIG, load_tool, signal_train_run, tiny_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CPU = ROOT / "configs" / "tiny_cpu.yaml"
@@ -143,16 +142,7 @@ def test_infer_refuses_two_inputs_with_one_output_name(weights, tmp_path, capsys
 
 @pytest.mark.slow
 def test_sigint_run_exits_130_without_stale_metrics(tmp_path):
-    out = tmp_path / "run"
-    args = [sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(TINY_CONFIG),
-            *tiny_overrides(tmp_path / "data", out), "solver.max_iter=1000", "train.deterministic=false"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 180
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    stdout, _ = proc.communicate(timeout=120)
+    proc, stdout, _ = signal_train_run(tmp_path / "data", tmp_path / "run", signal.SIGINT, wait_s=180)
     assert proc.returncode == 128 + signal.SIGINT, stdout
     assert "interrupted by SIGINT" in stdout and "--resume" in stdout
     assert "val metrics" not in stdout and "Traceback" not in stdout

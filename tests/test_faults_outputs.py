@@ -21,7 +21,7 @@ from PIL import Image
 
 from detector.files import OutputError, atomic_write, write_text
 from conftest import load_tool
-from eval_fixtures import make_coco_case
+from cases import make_coco_case
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CPU = ROOT / "configs" / "tiny_cpu.yaml"
@@ -180,6 +180,21 @@ def test_export_to_a_folder_is_one_line(weights, tmp_path, capsys):
     msg = one_line(out.err)
     assert msg == f"error: cannot write {tmp_path / 'm.pt'}: it is a folder; name a file"
     assert leftovers(tmp_path) == ["m.pt"]
+
+
+# ----------------------------------------------------------------- tools/benchmark.py --json
+
+
+def test_benchmark_json_on_a_full_disk_is_one_line_and_leaves_no_file(full_disk, capsys):
+    """``--json F`` is written through ``atomic_write``: on a full disk one line naming F,
+    and no partial F (a plain write_text left one, and never fsynced)."""
+    out = full_disk / "bench.json"
+    rc = load_tool("benchmark").main(["--config", str(TINY_CPU), "--task", "eval", "--iters", "1", "--warmup", "0",
+                                      "--eval-images", "4", "--eval-boxes", "2", "--json", str(out)])
+    assert rc == 1
+    msg = one_line(capsys.readouterr().err)
+    assert msg.startswith(f"error: cannot write {out}: ") and "no space left" in msg
+    assert leftovers(full_disk) == []
 
 
 # ----------------------------------------------------------------- tools/infer.py

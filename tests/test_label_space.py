@@ -21,7 +21,7 @@ from detector.evaluation.results import Detections
 from detector.evaluation import score_detections
 from detector.modeling import build_model
 from detector.modeling.weights import load_weights
-from eval_fixtures import CAT_IDS, make_coco_case, pycocotools_stats
+from cases import CAT_IDS, make_coco_case, pycocotools_stats
 from test_datasets import make_coco
 
 GAPPED = [{"id": 7, "name": "train"}, {"id": 1, "name": "person"}, {"id": 3, "name": "car"}]

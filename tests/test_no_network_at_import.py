@@ -48,7 +48,8 @@ def run_import(repo_root, statement: str) -> subprocess.CompletedProcess:
 def test_a_tool_start_makes_no_network_call(repo_root):
     """``tools/train.py`` loaded as a module (its imports run, not its ``main``), then the
     data package: the tool's start set the opt-out, so albumentations stays offline."""
-    out = run_import(repo_root, "import os, runpy; runpy.run_path('tools/train.py', run_name='tool'); "
+    out = run_import(repo_root, "import os, runpy, sys; sys.path.insert(0, 'tools'); "  # as `python tools/x.py`
+                                "runpy.run_path('tools/train.py', run_name='tool'); "
                                 "import detector.data, albumentations; "
                                 "print('opt-out', os.environ['NO_ALBUMENTATIONS_UPDATE'])")
     assert out.returncode == 0, out.stderr
@@ -58,24 +59,32 @@ def test_a_tool_start_makes_no_network_call(repo_root):
     assert "Warning" not in out.stderr, out.stderr
 
 
+def first_project_import(path) -> tuple:
+    """``(line, module)`` of the first module-level import in ``path`` of ``_bootstrap``, torch,
+    ``detector`` or ``benchmarks`` (read from the source); ``(None, None)`` if none."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for n in names:
+                if n.split(".")[0] in ("_bootstrap", "detector", "benchmarks", "torch"):
+                    return node.lineno, n
+    return None, None
+
+
 def test_every_tool_sets_the_opt_out_before_importing_detector(repo_root):
-    """Each ``tools/*.py`` calls ``os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")``
-    at module level, above its first ``detector`` import (read from the source)."""
-    tools = sorted((repo_root / "tools").glob("*.py"))
+    """``tools/_bootstrap.py`` calls ``os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")``
+    at module level and imports nothing of the project; each other ``tools/*.py`` imports
+    ``_bootstrap`` before its first ``detector``, ``benchmarks`` or torch import (read from the source)."""
+    bootstrap = repo_root / "tools" / "_bootstrap.py"
+    sets = [ast.unparse(node) for node in ast.parse(bootstrap.read_text()).body
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and "NO_ALBUMENTATIONS_UPDATE" in ast.unparse(node)]
+    assert sets == ["os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')"], sets
+    assert first_project_import(bootstrap) == (None, None)
+    tools = sorted(p for p in (repo_root / "tools").glob("*.py") if p != bootstrap)
     assert len(tools) >= 8
-    late = []
-    for path in tools:
-        sets_at = imports_at = None
-        for node in ast.parse(path.read_text()).body:
-            if imports_at is None and isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                if any(n == "detector" or n.startswith("detector.") for n in names):
-                    imports_at = node.lineno
-            if sets_at is None and isinstance(node, ast.Expr) and "NO_ALBUMENTATIONS_UPDATE" in ast.unparse(node):
-                assert ast.unparse(node) == "os.environ.setdefault('NO_ALBUMENTATIONS_UPDATE', '1')", path
-                sets_at = node.lineno
-        if sets_at is None or (imports_at is not None and imports_at < sets_at):
-            late.append(f"{path.name}: opt-out at line {sets_at}, first detector import at line {imports_at}")
+    late = [f"{p.name}: first project import {module} at line {line}"
+            for p in tools for line, module in [first_project_import(p)] if module != "_bootstrap"]
     assert not late, late
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from detector.evaluation.results import ResultsError, read_results_file
-from eval_fixtures import make_coco_case
+from cases import make_coco_case
 from conftest import load_tool
 
 from conftest import ROOT  # noqa: E402
@@ -132,7 +132,7 @@ def test_large_file_path_equals_pycocotools(tmp_path, backend, monkeypatch):
     from cases import main as write_case
     from detector.evaluation import coco as coco_mod
     from detector.evaluation import load_ground_truth, load_predictions, score_detections
-    from eval_fixtures import pycocotools_stats
+    from cases import pycocotools_stats
 
     write_case(["--images", "40", "--objects", "4", "--dets", "30", "--out", str(tmp_path / "c")])
     gt = load_ground_truth(tmp_path / "c_gt.json")

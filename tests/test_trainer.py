@@ -30,7 +30,7 @@ from detector.engine.setup import apply_norm_policy
 from detector.engine.train_loop import HookBase, Trainer
 from detector.engine.trainer import build_trainer
 from detector.modeling import build_model
-from conftest import TINY_CONFIG, load_tool, tiny_config, tiny_overrides
+from conftest import TINY_CONFIG, load_tool, signal_train_run, tiny_config, tiny_overrides
 
 from conftest import ROOT  # noqa: E402
 
@@ -232,15 +232,8 @@ def test_syncbn_conversion_keeps_frozen_bn(data_root, tmp_path):
 @pytest.mark.slow
 def test_sigterm_mid_run_checkpoints_and_resumes(data_root, tmp_path):
     out = tmp_path / "sig"
-    args = [sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(TINY_CONFIG),
-            *tiny_overrides(data_root, out), "solver.max_iter=1000", "train.deterministic=false"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, stdout, args = signal_train_run(data_root, out, signal.SIGTERM, wait_s=120)
     metrics = out / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stdout  # 143: `train && eval` must not carry on
     assert "Traceback" not in stdout and "stopped by SIGTERM" in stdout
     assert "interrupted by SIGTERM" in stdout and "val metrics" not in stdout

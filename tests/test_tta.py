@@ -99,10 +99,12 @@ def test_one_size_without_flip_equals_plain_inference_and_flip_is_consistent():
     transform = build_transforms(cfg, is_train=False, seed=0)
     plain = predict_image(model, image, transform, score_thresh=0.0)
     assert len(plain["boxes"]) > 0
-    same = predict_image(model, image, transform, 0.0, TTASettings((cfg.input.min_size_test,), False, 96))
+    # With TTA the eval transform keeps the original size; each pass resizes it.
+    keep_size = build_transforms(load_config(TINY_CONFIG, ["eval.tta.sizes=[64]"]), is_train=False, seed=0)
+    same = predict_image(model, image, keep_size, 0.0, TTASettings((cfg.input.min_size_test,), False, 96))
     for k in ("boxes", "scores", "labels"):
         assert torch.equal(plain[k], same[k]), k
-    flipped = predict_image(model, image, transform, 0.0, TTASettings((cfg.input.min_size_test,), True, 96))
+    flipped = predict_image(model, image, keep_size, 0.0, TTASettings((cfg.input.min_size_test,), True, 96))
     # The flipped input equals the input: the flipped pass's boxes are the plain ones mirrored. Every merged
     # box is a plain box or a mirrored one, with its score and label.
     width = image.shape[1]
@@ -116,12 +118,35 @@ def test_one_size_without_flip_equals_plain_inference_and_flip_is_consistent():
         assert hit.any() and torch.isclose(cand_scores[hit], score, atol=1e-6).any()
 
 
+def test_a_pass_resizes_the_decoded_image_once():
+    """A pass at size s resizes the original image once, with the eval transform's own
+    resize: it equals plain inference with input.min_size_test=s exactly, for s above and
+    below input.min_size_test (a resize of the eval transform's 64 px output would not).
+    A transform that resized the image first is refused, naming eval.tta."""
+    torch.manual_seed(0)
+    model = build_model(load_config(TINY_CONFIG, ["roi_heads.score_thresh=0.01"])).eval()
+    image = np.random.default_rng(1).integers(0, 255, (70, 90, 3), dtype=np.uint8)
+    for size in (48, 80):
+        plain_cfg = load_config(TINY_CONFIG, [f"input.min_size_test={size}"])
+        plain = predict_image(model, image, build_transforms(plain_cfg, is_train=False, seed=0), score_thresh=0.0)
+        tta_cfg = load_config(TINY_CONFIG, [f"eval.tta.sizes=[{size}]"])  # input.min_size_test stays 64
+        tta = predict_image(model, image, build_transforms(tta_cfg, is_train=False, seed=0), 0.0, tta_settings(tta_cfg))
+        assert len(plain["boxes"]) > 0
+        for k in ("boxes", "scores", "labels"):
+            assert torch.equal(plain[k], tta[k]), (size, k)
+    resized_first = build_transforms(load_config(TINY_CONFIG, []), is_train=False, seed=0)
+    with pytest.raises(ValueError, match=r"eval.tta: an image of 70x90 arrives resized to 64x82; build the data set"):
+        predict_image(model, image, resized_first, 0.0, TTASettings((48,), False, 96))
+
+
 def test_tta_config_keys():
     assert tta_settings(load_config(None, [])) is None
     cfg = load_config(None, ["eval.tta.sizes=[600,800]", "eval.tta.flip=true", "input.max_size_test=1000"])
     assert tta_settings(cfg) == TTASettings((600, 800), True, 1000)
     with pytest.raises(ConfigError, match=r"config key 'eval.tta.sizes' takes shorter-side sizes >= 1"):
         load_config(None, ["eval.tta.sizes=[0]"])
+    with pytest.raises(ConfigError, match=r"config key 'eval.compute_val_loss' cannot be true with eval.tta.sizes"):
+        load_config(None, ["eval.tta.sizes=[600]", "eval.compute_val_loss=true"])
 
 
 def test_infer_tool_with_tta(tmp_path):
@@ -153,12 +178,12 @@ def test_evaluate_with_tta(tmp_path):
     torch.manual_seed(0)
     model = build_model(cfg)
     plain = evaluate(model, dataset, cfg, output_dir=tmp_path / "plain")
-    same = evaluate(model, dataset, load_config(TINY_CONFIG, [*overrides, "eval.tta.sizes=[64]"]),
-                    output_dir=tmp_path / "same")
+    same_cfg = load_config(TINY_CONFIG, [*overrides, "eval.tta.sizes=[64]"])  # the data set keeps the original size
+    same = evaluate(model, build_dataset(same_cfg, "val", is_train=False), same_cfg, output_dir=tmp_path / "same")
     assert (tmp_path / "plain" / "detections.json").read_text() == (tmp_path / "same" / "detections.json").read_text()
     assert plain["AP"] == same["AP"]
     tta_cfg = load_config(TINY_CONFIG, [*overrides, "eval.tta.sizes=[48,64]", "eval.tta.flip=true"])
-    evaluate(model, dataset, tta_cfg, output_dir=tmp_path / "tta")
+    evaluate(model, build_dataset(tta_cfg, "val", is_train=False), tta_cfg, output_dir=tmp_path / "tta")
     dets = json.loads((tmp_path / "tta" / "detections.json").read_text())
     per_image = np.bincount([d["image_id"] for d in dets])
     assert len(dets) > 0 and per_image.max() <= cfg.roi_heads.detections_per_img

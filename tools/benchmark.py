@@ -21,29 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-from pathlib import Path
 
-# As tools/train.py: OpenMP threads sleep instead of spinning while they wait (spinning
-# threads on a CPU shared with other processes make steps many times slower). Must be
-# set before torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
-# set: offline, a warning and a wait on every start. Set before detector is imported.
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
-# The checkout this file is in: `benchmarks` is a top-level package next to `detector`,
-# importable from a checkout (not installed with the `detector` package).
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _bootstrap import ROOT  # first: environment and sys.path, see tools/_bootstrap.py
 
 from benchmarks import TASKS, format_summary, run_benchmark  # noqa: E402
 from benchmarks.scaling import ScalingSweep  # noqa: E402
 from benchmarks.static_check import format_static_check, static_check  # noqa: E402
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
+from detector.files import write_text  # noqa: E402
 
 DEMO_CONFIG = ROOT / "configs" / "demo_shapes.yaml"
 
@@ -120,8 +107,7 @@ def benchmark(args: argparse.Namespace) -> int:
         result = _run(args)
         print(format_summary(result))
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
+        write_text(args.json_out, json.dumps(result, indent=2))
     return 0
 
 

@@ -8,18 +8,10 @@ image files, duplicate ids, size and aspect histograms. Exit status 1 on errors.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
-# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
-# set: offline, a warning and a wait on every start. Set before detector is imported.
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402

@@ -22,22 +22,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
-# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
-# set: offline, a warning and a wait on every start. Set before detector is imported.
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import report_error, run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.files import output_folder  # noqa: E402
+from detector.messages import DetectorError  # noqa: E402
 
 logger = logging.getLogger("detector.tools.eval")
 
@@ -130,7 +124,7 @@ def run_model(args: argparse.Namespace) -> int:
     """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
     from detector.data import build_dataset, resolve_num_classes
     from detector.modeling.weights import load_model_weights
-    from detector.distributed import cleanup, init_distributed
+    from detector.distributed import cleanup, init_distributed, lost_rank_message, wake_stopped_peers
     from detector.engine.log import setup_logging
     from detector.evaluation import evaluate
     from detector.modeling import build_model
@@ -152,6 +146,15 @@ def run_model(args: argparse.Namespace) -> int:
             print(f"results written to {args.output_dir}")
         if info.rank == 0 and args.analysis:
             analyse_model_run(args, cfg, dataset)
+    except RuntimeError as exc:
+        # Another rank ended, or did not answer within train.dist_timeout_s: one line naming
+        # it, as tools/train.py does. Any other RuntimeError goes on up.
+        message = None if isinstance(exc, DetectorError) else lost_rank_message(exc, info)
+        if message is None:
+            raise
+        status = report_error(exc, line=message)
+        wake_stopped_peers(info)  # a stopped rank cannot end otherwise
+        return status
     finally:
         cleanup()
     return 0

@@ -6,13 +6,9 @@ one line and exit status 2.
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
 from benchmarks.gpu_check import main  # noqa: E402
 

@@ -16,18 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
-# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
-# set: offline, a warning and a wait on every start. Set before detector is imported.
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
@@ -75,6 +68,7 @@ def infer(args: argparse.Namespace) -> int:
         transform=build_transforms(cfg, is_train=False, seed=0),
         score_thresh=args.score_thresh,
         tta=tta_settings(cfg),
+        apply_exif=cfg.data.apply_exif,  # read as training and evaluation read images
     )
     write_json(Path(args.output_dir) / "detections.json", records)
     print(f"{len(records)} image(s) written to {args.output_dir}")

@@ -14,21 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
-# OpenMP threads that sleep instead of spinning while they wait: on a CPU shared with
-# other processes, spinning threads can make training ~10x slower. Must be set before
-# torch is imported; an explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# albumentations (imported with detector.data) asks PyPI for a newer version unless this is
-# set: offline, a warning and a wait on every start. Set before detector is imported.
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
-# Allow `python tools/train.py` from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
 from detector.cli import report_error, run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402

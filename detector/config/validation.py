@@ -292,6 +292,10 @@ def _check_recipe_keys(cfg: Config) -> None:
                           f"({lsj.max_scale})")
     if any(s < 1 for s in cfg.eval.tta.sizes):
         raise ConfigError(f"config key 'eval.tta.sizes' takes shorter-side sizes >= 1 ([] = off), got {cfg.eval.tta.sizes}")
+    if cfg.eval.tta.sizes and cfg.eval.compute_val_loss:
+        raise ConfigError("config key 'eval.compute_val_loss' cannot be true with eval.tta.sizes: with TTA the "
+                          "evaluation reads images at their original size, the validation loss needs them at "
+                          "input.min_size_test; turn one of them off")
     if any(s < 1 for s in cfg.solver.steps):
         raise ConfigError(f"config key 'solver.steps' takes iterations >= 1, got {cfg.solver.steps}")
     if len(cfg.solver.betas) != 2 or not all(0 <= b < 1 for b in cfg.solver.betas):

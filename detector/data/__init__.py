@@ -24,7 +24,7 @@ from .build import (
 )
 from .coco import CocoDetection, coco_label_map
 from .dataset import DetectionDataset
-from .files import DataError, load_image, read_json
+from .files import DataError, load_image
 from .loader import build_test_loader, build_train_loader, measure_loader_throughput
 from .transforms import build_transforms
 from .voc import VOC_CLASSES, VOCDetection
@@ -47,6 +47,5 @@ __all__ = [
     "data_num_classes",
     "load_image",
     "measure_loader_throughput",
-    "read_json",
     "resolve_num_classes",
 ]

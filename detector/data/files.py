@@ -1,4 +1,4 @@
-"""Reading the files of a data set: images (any bit depth to uint8 RGB), JSON, and file
+"""Reading the files of a data set: images (any bit depth to uint8 RGB) and file
 names confined to a root folder. Every failure is one line naming the file.
 
 ``DataError`` is the data package's bad-input error (see ``dataset.py`` for the policy).
@@ -6,9 +6,8 @@ names confined to a root folder. Every failure is one line naming the file.
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -107,22 +106,6 @@ def exif_warning(path: str, orientation: int) -> str:
             "so its boxes must refer to the stored pixels: set data.apply_exif=true if they were drawn on the "
             "displayed image")
 
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file; a missing file or invalid JSON is a one-line error naming it."""
-    path = str(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"annotation file not found: {path}") from None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-        raise DataError(f"annotation file {path} is not valid JSON: {msg}{where}") from None
 
 
 def path_within(root: str, name: str) -> Optional[str]:

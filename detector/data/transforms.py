@@ -61,6 +61,17 @@ def resized_shape(height: int, width: int, min_size: int, max_size: int) -> Tupl
     return max(1, int(round(height * scale))), max(1, int(round(width * scale)))
 
 
+def resize_array(img: np.ndarray, new_h: int, new_w: int) -> np.ndarray:
+    """``[H, W, C]`` -> ``[new_h, new_w, C]``: bilinear, ``cv2.INTER_AREA`` when shrinking
+    by more than 2x in both sides (the resize of every pipeline here; test-time
+    augmentation uses it too). The same array when the size does not change."""
+    h, w = img.shape[:2]
+    if (new_h, new_w) == (h, w):
+        return img
+    interp = cv2.INTER_AREA if new_h * 2 < h and new_w * 2 < w else cv2.INTER_LINEAR
+    return cv2.resize(img, (new_w, new_h), interpolation=interp)
+
+
 class ResizeShortestEdge(A.DualTransform):
     """Resize so the shorter side is a random choice of ``min_sizes`` and the longer side
     is at most ``max_size`` (bilinear; ``cv2.INTER_AREA`` when shrinking by more than 2x).
@@ -82,11 +93,7 @@ class ResizeShortestEdge(A.DualTransform):
         return {"new_h": new_h, "new_w": new_w}
 
     def apply(self, img: np.ndarray, new_h: int = 0, new_w: int = 0, **params: Any) -> np.ndarray:
-        h, w = img.shape[:2]
-        if (new_h, new_w) == (h, w):
-            return img
-        interp = cv2.INTER_AREA if new_h * 2 < h and new_w * 2 < w else cv2.INTER_LINEAR
-        return cv2.resize(img, (new_w, new_h), interpolation=interp)
+        return resize_array(img, new_h, new_w)
 
     def apply_to_bboxes(self, bboxes: np.ndarray, **params: Any) -> np.ndarray:
         return bboxes  # normalised coordinates do not change under a resize
@@ -234,7 +241,9 @@ def build_transforms(cfg: Config, is_train: bool, seed: Optional[int] = None) ->
     ``input.max_size_train``, or large-scale jitter with ``input.lsj``; horizontal flip with ``input.hflip_prob``, optional colour
     jitter; copy-paste settings with ``input.copy_paste``, its source set by
     ``build_dataset``) or the eval pipeline (deterministic resize to ``input.min_size_test`` /
-    ``input.max_size_test``). ``seed``: the run's seed (default: a random one)."""
+    ``input.max_size_test``; with test-time augmentation, ``eval.tta.sizes``, no resize:
+    each TTA pass resizes the original image itself). ``seed``: the run's seed (default: a
+    random one)."""
     inp = cfg.input
     copy_paste = None
     if is_train:
@@ -250,6 +259,6 @@ def build_transforms(cfg: Config, is_train: bool, seed: Optional[int] = None) ->
         if cp.enabled:
             copy_paste = CopyPasteSettings(cp.prob, cp.max_objects, cp.min_visible)
     else:
-        transforms = [ResizeShortestEdge([inp.min_size_test], inp.max_size_test)]
+        transforms = [A.NoOp()] if cfg.eval.tta.sizes else [ResizeShortestEdge([inp.min_size_test], inp.max_size_test)]
     return DetectionTransform(transforms, seed=seed if seed is not None else random.randrange(2**31),
                               copy_paste=copy_paste)

@@ -34,6 +34,7 @@ from torch import nn
 
 from detector.config import Config, config_to_dict
 from detector.distributed import all_gather_object
+from detector.files import atomic_write
 from detector.engine.optim import WarmupLRScheduler
 from detector.engine.resume_checks import (
     CheckpointError,
@@ -165,22 +166,16 @@ def find_resume_checkpoint(output_dir: "str | os.PathLike") -> Optional[Path]:
 
 
 def save_checkpoint(path: "str | os.PathLike", state: Dict[str, Any]) -> Path:
-    """Write ``state`` to ``path`` atomically: a temporary file in the same folder,
-    flushed to disk, then ``os.replace``. A writer killed midway leaves the previous
-    file intact (and at most a stray ``.tmp`` file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    """Write ``state`` to ``path`` through the one atomic writer
+    (``detector.files.atomic_write``: a temporary file in the same folder, flushed and
+    fsynced, then ``os.replace``). A writer killed midway leaves the previous file intact
+    (and at most a stray ``.tmp`` file).
+
+    Raises:
+        OutputError: the write failed (the temporary file removed; its ``__cause__`` is
+            the file system's or torch's own error).
+    """
+    return atomic_write(path, lambda f: torch.save(state, f))
 
 
 def link_or_copy_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike") -> Path:
@@ -319,6 +314,7 @@ class Checkpointer:
             for name in names[1:]:  # the same bytes under another name: a hard link if possible
                 link_or_copy_checkpoint(first, self.directory / name)
         except (OSError, RuntimeError) as exc:  # torch's zip writer reports a failed write as RuntimeError
+            exc = exc.__cause__ or exc  # atomic_write's OutputError: the file system's own error
             reason = getattr(exc, "strerror", None) or first_line(exc)
             return None, (
                 f"cannot write checkpoint {self.directory / names[0]} ({reason}); free space in "

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from tqdm import tqdm
 
-from detector.data.files import DataError, load_image
+from detector.data.files import DataError, decode_image, exif_warning
 from detector.files import OutputError, atomic_write, output_folder
 
 from .plots import render
@@ -188,10 +188,20 @@ def run_inference(
 
 def _forward(net: nn.Module, images: List[torch.Tensor], orig_sizes: Sequence[Any],
              tta: Optional[TTASettings]) -> List[Dict[str, torch.Tensor]]:
-    """``net(images)``, or with ``tta`` its test-time augmented detections (same frame)."""
+    """``net(images)``, or with ``tta`` its test-time augmented detections (same frame).
+
+    Raises:
+        ValueError: with ``tta``, an image not at its original size (a data set or
+            transform built without ``eval.tta.sizes`` resized it: TTA would resize it again).
+    """
     if tta is None:
         return net(images)
     sizes = [tuple(int(v) for v in torch.as_tensor(s).reshape(2).tolist()) for s in orig_sizes]
+    for img, size in zip(images, sizes):
+        if tuple(img.shape[-2:]) != size:
+            raise ValueError(f"eval.tta: an image of {size[0]}x{size[1]} arrives resized to "
+                             f"{img.shape[-2]}x{img.shape[-1]}; build the data set or transform from the config "
+                             "with eval.tta.sizes (its eval transform keeps the original size)")
     return tta_forward(net, images, sizes, tta)
 
 
@@ -297,14 +307,20 @@ def output_paths(paths: Sequence[Path], output_dir: str | Path) -> List[Path]:
     return result
 
 
-def read_rgb(path: str | Path) -> np.ndarray:
-    """uint8 [H, W, 3] RGB, any bit depth scaled as ``detector.data.files.to_rgb8`` does.
+def read_rgb(path: str | Path, apply_exif: bool = False) -> np.ndarray:
+    """uint8 [H, W, 3] RGB, read as the data sets read their images
+    (``detector.data.files.decode_image``: any bit depth scaled as ``to_rgb8`` does; an
+    EXIF orientation applied when ``apply_exif``, ``data.apply_exif``, else read as stored
+    with the data sets' warning naming the file).
 
     Raises:
         FileNotFoundError: no such file.
         DataError: the file is unreadable or its pixel type has no 8-bit scale (named).
     """
-    return load_image(str(path))
+    image, orientation = decode_image(str(path), apply_exif=apply_exif)
+    if orientation not in (0, 1) and not apply_exif:
+        logger.warning("%s", exif_warning(str(path), orientation))
+    return image
 
 
 @torch.inference_mode()
@@ -367,12 +383,15 @@ def predict_files(
     transform: Optional[Callable] = None,
     score_thresh: float = 0.5,
     tta: Optional[TTASettings] = None,
+    apply_exif: bool = False,
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Detect on each file, write ``<output_dir>/<stem>.png`` with the boxes drawn
     (names checked first by ``output_paths``; each file written atomically).
 
     A file that cannot be read (missing, corrupt, unsupported pixel type) is skipped with
     a warning naming it; the others are still processed. ``tta``: see :func:`predict_image`.
+    ``apply_exif`` (``data.apply_exif``): files are read as training and evaluation read
+    them (``read_rgb``); the boxes and the sizes are those of the array read.
 
     Returns:
         ``(records, skipped)``: one JSON-ready record per readable file (``file``,
@@ -389,7 +408,7 @@ def predict_files(
     try:
         for path, target in zip(paths, targets):
             try:
-                image = read_rgb(path)
+                image = read_rgb(path, apply_exif)
             except (FileNotFoundError, DataError) as exc:
                 logger.warning("skipped: %s", exc)
                 skipped.append(str(exc))

@@ -6,10 +6,13 @@ detections of all passes are merged, NMS'd per class (the model's own NMS: hard 
 ``roi_heads.detections_per_img`` kept.
 
 Sizes are those of the original image (as ``input.min_size_test``), the longer side
-capped at ``input.max_size_test``. Each pass resizes the image the caller gave (the
-eval transform's output, or a file's pixels): a size above the one that image has is an
-upsampling of it. With one pass (one size, no flip) the model's output, already NMS'd,
-is only mapped back; at the caller's size TTA then equals plain inference exactly.
+capped at ``input.max_size_test``. Each pass resizes the image the caller gave with the
+eval transform's own resize (``detector.data.transforms.resize_array``); with TTA on, the
+eval transform leaves images at their original size (``build_transforms``), so every
+pass is one interpolation of the decoded image, not a resize of a resized one. With one
+pass (one size, no flip) the model's output, already NMS'd, is only mapped back (divided
+by the float32 scale, as ``inference.to_original_boxes`` does); a pass at size ``s`` then
+equals plain inference with ``input.min_size_test = s`` exactly.
 
 Boxes are ``[x1, y1, x2, y2]`` pixels.
 """
@@ -18,12 +21,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.ops import batched_nms
 
-from detector.data.transforms import resized_shape
+from detector.data.transforms import resize_array, resized_shape
 from detector.modeling.roi_heads import SoftNMSSettings
 from detector.ops import batched_soft_nms
 
@@ -52,13 +55,13 @@ def flip_boxes(boxes: Tensor, width: float) -> Tensor:
 
 
 def resize_image(image: Tensor, height: int, width: int) -> Tensor:
-    """``[3, H, W]`` -> ``[3, height, width]`` (bilinear, antialiased; uint8 stays uint8).
+    """``[3, H, W]`` -> ``[3, height, width]`` on the CPU, by the eval transform's resize
+    (``resize_array``: bilinear, area when shrinking more than 2x; uint8 stays uint8).
     The same tensor when the size does not change."""
     if tuple(image.shape[-2:]) == (height, width):
         return image
-    out = F.interpolate(image[None].float(), size=(height, width), mode="bilinear", align_corners=False,
-                        antialias=True)[0]
-    return out.round().clamp(0, 255).to(torch.uint8) if image.dtype == torch.uint8 else out.to(image.dtype)
+    hwc = np.ascontiguousarray(image.permute(1, 2, 0).cpu().numpy())
+    return torch.from_numpy(resize_array(hwc, height, width)).permute(2, 0, 1)
 
 
 def merge_detections(parts: Sequence[Dict[str, Tensor]], nms_thresh: float, soft: Optional[SoftNMSSettings],
@@ -90,8 +93,8 @@ def _one_pass(net: nn.Module, images: List[Tensor], shapes: List[Tuple[int, int]
         boxes = out["boxes"].float()
         if flip:
             boxes = flip_boxes(boxes, float(w))
-        sy, sx = img.shape[-2] / h, img.shape[-1] / w
-        boxes = boxes * torch.tensor([sx, sy, sx, sy], dtype=boxes.dtype, device=boxes.device)
+        sx, sy = w / img.shape[-1], h / img.shape[-2]  # pass size / given size, as a data set's ``scale``
+        boxes = boxes / torch.tensor([sx, sy, sx, sy], dtype=torch.float32, device=boxes.device)
         mapped.append({"boxes": boxes, "scores": out["scores"], "labels": out["labels"]})
     return mapped
 

@@ -104,6 +104,16 @@ def require_onnx() -> None:
         raise ExportError(f"ONNX export needs {' and '.join(missing)}: {INSTALL_HINT}")
 
 
+def require_exportable(model: FasterRCNN) -> None:
+    """Raise ``ExportError`` (one line naming the config key) for what tracing cannot
+    export faithfully: Soft-NMS (``roi_heads.nms.type: soft``) is a Python loop over the
+    boxes, so a trace would replay the example image's iteration count on every image
+    (a silently wrong file)."""
+    if model.roi_heads.soft_nms is not None:
+        raise ExportError("roi_heads.nms.type=soft cannot be exported (Soft-NMS is a loop that tracing fixes "
+                          "to the example image); export with roi_heads.nms.type=hard")
+
+
 def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: Tensor,
                  opset: int = DEFAULT_OPSET, metadata: Optional[Dict[str, str]] = None) -> None:
     """Trace ``DetectorForExport(model)`` on ``example`` (``[3, H, W]`` uint8) and write it.
@@ -125,6 +135,7 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
         raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got '{fmt}'")
     if model.device.type != "cpu":
         raise ExportError(f"export traces the model on the CPU; it is on {model.device}")
+    require_exportable(model)
     wrapper = DetectorForExport(model.eval()).eval()
     with warnings.catch_warnings(), torch.no_grad():
         # Tracer warnings about Python values are expected (checks, loop counts over
@@ -287,7 +298,9 @@ def verify_export(model: FasterRCNN, fmt: str, path: str | os.PathLike, images: 
                   box_rtol: float = BOX_RTOL) -> List[ParityReport]:
     """Run the exported file and the eager model on each ``[3, H, W]`` uint8 image and
     compare (``compare_detections``). Returns one report per image; the caller decides
-    what a mismatch means (``tools/export.py`` exits with status 1)."""
+    what a mismatch means (``tools/export.py`` exits with status 1). A model that
+    cannot be exported (``require_exportable``) raises ``ExportError``: no file matches it."""
+    require_exportable(model)
     run = load_exported(fmt, path)
     model.eval()
     reports = []
