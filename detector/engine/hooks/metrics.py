@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from detector.dist_faults import watch
 from detector.engine.log import DeviceCounter, EventWriters, format_console_line, format_eta, peak_memory_mb
 from detector.engine.train_loop import HookBase, LoopState
 
@@ -142,7 +143,8 @@ class MetricsWriter(HookBase):
         parts += [c.value.detach().to(mean.device, torch.float32).reshape(1) for c in self.counters]
         figures = torch.cat(parts)
         if self.world_size > 1:
-            dist.all_reduce(figures)
+            with watch("the metrics all-reduce"):
+                dist.all_reduce(figures)
             figures[: n + 1] /= self.world_size
         return figures.tolist()
 
