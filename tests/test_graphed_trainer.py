@@ -78,7 +78,8 @@ def test_graphed_step_trains_like_the_eager_static_step(data_root, tmp_path):
     re, rg = read_jsonl(tmp_path / "eager" / "metrics.jsonl"), read_jsonl(tmp_path / "graphed" / "metrics.jsonl")
     assert len(re) == len(rg) == 4
     for a, b in zip(re, rg):  # the warmup and the step at 3 change the LR every iteration
-        for key in ("total_loss", "loss_rpn_cls", "loss_roi_cls", "grad_norm"):
+        for key in ("total_loss", "loss_rpn_cls", "loss_roi_cls", "grad_norm", "rpn/num_pos_anchors",
+                    "roi/fg_fraction", "static/nms_unconverged"):  # losses, sampler statistics, counters
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["iteration"], key)
         assert b["lr"] == pytest.approx(a["lr"], rel=1e-6) and b["nonfinite_skipped"] == 0
     assert len({r["lr"] for r in rg}) == 3  # warmup, then the step at 3
