@@ -39,7 +39,8 @@ demo: $(STAMP)
 	$(PY) tools/train.py --config configs/demo_shapes.yaml --resume $(ARGS)
 	@echo "next: source $(VENV)/bin/activate, then the README's commands"
 
-# On a GPU machine: GPU tests, static-check and train benchmarks -> gpu-report.json.
+# On a GPU machine, in one 10-minute call: GPU tests, demos, static-check, train and inference
+# benchmarks against torchvision -> gpu-report.json (tools/gpu_check.py --list: the plan).
 # Without CUDA: one line, exit status 2.
 gpu-check: $(STAMP)
 	$(PY) tools/gpu_check.py

@@ -1,100 +1,267 @@
-"""``make gpu-check``: what a GPU machine runs end to end, offline, in one call.
+"""``make gpu-check``: what a GPU machine runs end to end, offline, in one 10-minute call.
 
-Without CUDA it prints one line and returns 2. With CUDA it runs, each under its own
-time limit, and records rc, seconds and the output's last lines:
+    python tools/gpu_check.py                  # the runs in order, within --budget-s
+    python tools/gpu_check.py --list           # the plan, its configs checked; no GPU needed
+    python tools/gpu_check.py --only demo,demo-graphs
+
+Without CUDA (and without ``--list``) it prints one line and returns 2. With CUDA it runs
+``plan()`` in order, each under its own time limit and all under ``--budget-s`` (a run
+that no longer fits is recorded as skipped, with the ``--only`` call that runs it):
 
 - ``pytest -m gpu`` (every GPU test);
-- ``--task static-check`` (graph breaks, recompiles, host syncs, compile and step
-  times) on the demo config and on R50-FPN 1x, 2 images per step;
-- ``--task train --compare-torchvision`` on R50-FPN 1x (AMP), eager and compiled
-  backbone;
+- R50-FPN 1x training against torchvision (``--task train --compare-torchvision``,
+  synthetic batches at 800x1333): the CUDA-graph step, the static step, the eager step
+  (AMP bfloat16 and float16), 2 and 8 images per step, the compiled backbone;
+- R50-FPN 1x inference with ``eval.amp`` against torchvision;
+- ``--task static-check`` on the demo config (graph breaks, recompiles, host syncs);
+- the demo (``make demo``'s training) on the GPU, eager and with the CUDA-graph step,
+  for the accuracy goal (their final AP).
 
-then writes ``gpu-report.json`` (all results, the static-check JSON included) and a
-short text table on stdout. It writes nothing else and downloads nothing (random
-weights; the data sets are the generated shapes or ``../shared/gpu`` as prepared).
+It writes ``gpu-report.json`` (every result, the benchmarks' JSON included) and prints
+a short text table. It downloads nothing (random weights; generated data).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from detector.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = [sys.executable, str(ROOT / "tools" / "benchmark.py")]
-R50 = str(ROOT / "configs" / "faster_rcnn_r50_fpn_1x_coco.yaml")
-DEMO = str(ROOT / "configs" / "demo_shapes.yaml")
-STATIC = ["train.static_step=true", "train.device=cuda"]
+R50 = "configs/faster_rcnn_r50_fpn_1x_coco.yaml"
+DEMO = "configs/demo_shapes.yaml"
+OUT = "gpu-report"
+BUDGET_S = 570  # of the device tool's 600 s per call
+CANVAS_R50 = "model.canvas_sizes=[[800,1344],[1344,800]]"
+STATIC = ("train.static_step=true",)
+GRAPHS = ("train.static_step=true", "train.cuda_graphs=true")
+BF16 = ("train.amp.enabled=true", "train.amp.dtype=bfloat16")
+FP16 = ("train.amp.enabled=true", "train.amp.dtype=float16")
 
 
-def checks(out_dir: Path) -> List[Dict]:
-    """The commands (name, argv, time limit in seconds, JSON file or None)."""
-    def static(name: str, config: str, *extra: str) -> Dict:
-        json_file = out_dir / f"{name}.json"
-        argv = BENCH + ["--config", config, "--task", "static-check", *STATIC, *extra, "--json", str(json_file)]
-        return {"name": name, "argv": argv, "limit_s": 150, "json": json_file}
+@dataclass(frozen=True)
+class Run:
+    """One command of the check.
 
-    def train(name: str, *extra: str) -> Dict:
-        json_file = out_dir / f"{name}.json"
-        argv = BENCH + ["--config", R50, "--task", "train", "--compare-torchvision", "--synthetic", "--no-loader",
-                        "train.device=cuda", *extra, "--json", str(json_file)]
-        return {"name": name, "argv": argv, "limit_s": 120, "json": json_file}
+    Attributes:
+        name: its name in the report and for ``--only``.
+        tool: ``pytest``, ``benchmark`` or ``train`` (``tools/<tool>.py``).
+        args: the tool's arguments (flags, then ``key=value`` overrides).
+        limit_s: its time limit.
+        config: the config file, checked with ``overrides`` by ``--list``; None for pytest.
+        overrides: the run's config overrides.
+        json: the result file it writes (under ``gpu-report/``), or None.
+        parallel: a check of results, not of speed: it runs at the start alongside the
+            other such runs (the timed runs come after, one at a time).
+    """
 
+    name: str
+    tool: str
+    args: Tuple[str, ...]
+    limit_s: int
+    config: Optional[str] = None
+    overrides: Tuple[str, ...] = ()
+    json: Optional[str] = None
+    parallel: bool = False
+
+    def argv(self) -> List[str]:
+        """The command line, run from the checkout's root."""
+        if self.tool == "pytest":
+            return [sys.executable, "-m", "pytest", *self.args]
+        return [sys.executable, f"tools/{self.tool}.py", *self.args]
+
+
+def _bench(name: str, task: str, limit_s: int, *overrides: str, iters: int = 20, warmup: int = 5) -> Run:
+    """``tools/benchmark.py --task train|infer --compare-torchvision`` on R50-FPN 1x."""
+    overrides = ("train.device=cuda", *overrides)
+    json_file = f"{OUT}/{name}.json"
+    args = ("--config", R50, "--task", task, "--compare-torchvision", "--synthetic", "--no-loader",
+            "--iters", str(iters), "--warmup", str(warmup), "--json", json_file, *overrides)
+    return Run(name, "benchmark", args, limit_s, R50, overrides, json_file)
+
+
+def _demo(name: str, limit_s: int, *overrides: str) -> Run:
+    """``make demo``'s training on the GPU in its own run folder, started afresh, on its
+    own copy of the generated data (the demos run side by side)."""
+    data = f"{OUT}/{name}-data"
+    overrides = ("train.device=cuda", f"data.train.root={data}", f"data.val.root={data}", *overrides)
+    args = ("--config", DEMO, "--output-dir", f"{OUT}/{name}", "--overwrite", *overrides)
+    return Run(name, "train", args, limit_s, DEMO, overrides, parallel=True)
+
+
+def plan() -> List[Run]:
+    """Every run: the checks of results side by side first, then the timed runs one at a
+    time, the most wanted first (the budget may cut the tail)."""
+    two, eight = "solver.images_per_gpu=2", "solver.images_per_gpu=8"
+    static_demo = ("train.device=cuda", *STATIC, "model.canvas_sizes=[[160,160]]")
     return [
-        {"name": "pytest-gpu", "argv": [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(ROOT / "tests")],
-         "limit_s": 180, "json": None},
-        static("static-check-demo", DEMO, "model.canvas_sizes=[[160,160]]"),
-        static("static-check-r50", R50, "model.canvas_sizes=[[800,1344]]", "solver.images_per_gpu=2",
-               "rpn.nms_max_iters=4"),
-        train("train-r50-amp", "train.amp.enabled=true"),
-        train("train-r50-amp-compiled-backbone", "train.amp.enabled=true", "train.compile_backbone=true",
-              "model.canvas_sizes=[[800,1344],[1344,800]]"),
+        Run("pytest-gpu", "pytest", ("-q", "-m", "gpu", "tests"), 240, parallel=True),
+        Run("static-check-demo", "benchmark", ("--config", DEMO, "--task", "static-check", "--json",
+                                               f"{OUT}/static-check-demo.json", *static_demo),
+            150, DEMO, static_demo, f"{OUT}/static-check-demo.json", parallel=True),
+        _demo("demo", 240),
+        _demo("demo-graphs", 240, *GRAPHS, "model.canvas_sizes=[[160,160]]"),
+        _bench("train-r50-graphs-bf16-2img", "train", 150, *GRAPHS, CANVAS_R50, *BF16, two),
+        _bench("train-r50-static-bf16-2img", "train", 120, *STATIC, CANVAS_R50, *BF16, two),
+        _bench("train-r50-eager-bf16-2img", "train", 60, *BF16, two, iters=10, warmup=3),
+        _bench("train-r50-eager-fp16-2img", "train", 60, *FP16, two, iters=10, warmup=3),
+        _bench("train-r50-graphs-bf16-8img", "train", 120, *GRAPHS, CANVAS_R50, *BF16, eight),
+        _bench("infer-r50-eval-amp", "infer", 60, "eval.amp=true", iters=10, warmup=3),
+        _bench("train-r50-compiled-backbone-bf16-2img", "train", 90, "train.compile_backbone=true", CANVAS_R50,
+               *BF16, two, iters=10, warmup=3),
     ]
 
 
-def run_check(check: Dict) -> Dict:
-    """Run one command under its limit; rc (124 on timeout), seconds, tail, JSON."""
-    start = time.perf_counter()
+def check_plan(runs: Sequence[Run]) -> None:
+    """Every run's config loads with its overrides (a typo in a key fails here, on any
+    machine) and the names are unique. Raises ``ValueError`` / ``ConfigError``."""
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"gpu-check: duplicate run names in {names}")
+    for run in runs:
+        if run.config is not None:
+            load_config(ROOT / run.config, list(run.overrides))
+
+
+def _final_ap(run_dir: Path) -> Optional[float]:
+    """The last evaluation's AP in ``run_dir/metrics.jsonl`` (None if there is none)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    aps = [rec["AP"] for rec in map(json.loads, path.read_text().splitlines()) if rec.get("type") == "eval"
+           and "AP" in rec]
+    return aps[-1] if aps else None
+
+
+def _launch(run: Run, out_dir: Path) -> Tuple[subprocess.Popen, Path, float]:
+    """Start ``run`` in its own session, its output to ``out_dir/<name>.log``."""
+    log = out_dir / f"{run.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(run.argv(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log, time.perf_counter()
+
+
+def _collect(run: Run, proc: subprocess.Popen, log: Path, start: float, limit_s: float) -> Dict:
+    """Wait for ``run`` until ``limit_s`` after its start (then kill its process group:
+    rc 124); rc, seconds, the output's tail and the results it wrote."""
     try:
-        proc = subprocess.run(check["argv"], cwd=ROOT, capture_output=True, text=True, timeout=check["limit_s"])
-        rc, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, text = 124, f"{exc.stdout or ''}{exc.stderr or ''}"
-        text = text.decode() if isinstance(text, bytes) else text
-    result = {"name": check["name"], "rc": rc, "seconds": round(time.perf_counter() - start, 1),
-              "tail": text.strip().splitlines()[-15:]}
-    if check["json"] is not None and Path(check["json"]).is_file():
-        result["result"] = json.loads(Path(check["json"]).read_text())
+        rc = proc.wait(timeout=max(0.0, limit_s - (time.perf_counter() - start)))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = 124
+    result: Dict = {"name": run.name, "rc": rc, "seconds": round(time.perf_counter() - start, 1),
+                    "command": " ".join(run.argv()[1:]), "log": str(log),
+                    "tail": log.read_text(errors="replace").strip().splitlines()[-15:]}
+    if run.json is not None and (ROOT / run.json).is_file():
+        result["result"] = json.loads((ROOT / run.json).read_text())
+    if run.tool == "train":
+        result["AP"] = _final_ap(ROOT / OUT / run.name)
     return result
 
 
+def _skipped(run: Run) -> Dict:
+    return {"name": run.name, "rc": None, "seconds": 0.0,
+            "skipped": f"budget: run it with python tools/gpu_check.py --only {run.name}"}
+
+
+def run_all(runs: Sequence[Run], budget_s: float, out_dir: Path = ROOT / OUT) -> List[Dict]:
+    """The ``parallel`` runs side by side, then the others one at a time, in order. A run
+    gets its ``limit_s`` or what is left of ``budget_s``; one that no longer fits is
+    skipped (rc None) with the command that runs it later. Results in ``runs``' order."""
+    start, results = time.perf_counter(), {}
+    side = [r for r in runs if r.parallel and r.limit_s <= budget_s]
+    started = [(r, *_launch(r, out_dir)) for r in side]
+    for run, proc, log, t0 in started:
+        results[run.name] = _collect(run, proc, log, t0, run.limit_s)
+    for run in runs:
+        left = budget_s - (time.perf_counter() - start)
+        if run.name in results:
+            continue
+        if run.parallel or left < min(run.limit_s, 30):
+            results[run.name] = _skipped(run)
+            continue
+        results[run.name] = _collect(run, *_launch(run, out_dir), min(run.limit_s, left))
+    return [results[r.name] for r in runs]
+
+
+def figures(result: Dict) -> str:
+    """The figures of one result for the table."""
+    res = result.get("result") or {}
+    if "ratio_pairwise_median" in res:
+        ours = res.get("runs", {}).get("ours", {})
+        theirs = res.get("runs", {}).get("torchvision", {})
+        return (f"ours {ours.get('images_per_s', float('nan')):.1f} img/s, torchvision "
+                f"{theirs.get('images_per_s', float('nan')):.1f} img/s, x{res['ratio_pairwise_median']:.2f} (pairwise)")
+    keys = ("graph_breaks", "recompiles", "host_syncs_per_step", "max_loss_rel_diff")
+    found = [f"{k}={res[k]:.3g}" if isinstance(res[k], float) else f"{k}={res[k]}" for k in keys if k in res]
+    if result.get("AP") is not None:
+        found.append(f"AP={result['AP']:.4f}")
+    return result.get("skipped", ", ".join(found))
+
+
 def table(results: Sequence[Dict]) -> str:
-    """One line per check: name, rc, seconds, and the static-check figures."""
-    lines = [f"{'check':36s} {'rc':>4s} {'s':>7s}  figures"]
+    """One line per run: name, rc, seconds, figures."""
+    lines = [f"{'run':40s} {'rc':>4s} {'s':>6s}  figures"]
     for r in results:
-        res = r.get("result", {})
-        keys = ("graph_breaks", "recompiles", "host_syncs_per_step", "max_loss_rel_diff", "compile_s",
-                "static_compiled_step_s", "eager_step_s")
-        figures = ", ".join(f"{k}={res[k]:.4g}" if isinstance(res[k], float) else f"{k}={res[k]}"
-                            for k in keys if k in res)
-        lines.append(f"{r['name']:36s} {r['rc']:>4d} {r['seconds']:>7.1f}  {figures}")
+        rc = "-" if r["rc"] is None else str(r["rc"])
+        lines.append(f"{r['name']:40s} {rc:>4s} {r['seconds']:>6.1f}  {figures(r)}")
     return "\n".join(lines)
 
 
+def select(runs: Sequence[Run], only: Optional[str]) -> List[Run]:
+    """``runs`` limited to the comma-separated names of ``--only`` (all when None)."""
+    if not only:
+        return list(runs)
+    wanted = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = sorted(set(wanted) - {r.name for r in runs})
+    if unknown:
+        raise ValueError(f"--only: unknown runs {unknown}; see python tools/gpu_check.py --list")
+    return [r for r in runs if r.name in wanted]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="GPU checks end to end -> gpu-report.json (see benchmarks/gpu_check.py)")
+    p.add_argument("--list", action="store_true", help="print the runs (their configs checked) and exit")
+    p.add_argument("--only", help="comma-separated run names (see --list)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"seconds for all runs (default {BUDGET_S})")
+    return p.parse_args(list(argv))
+
+
 def main(argv: Sequence[str] = ()) -> int:
-    """Run the checks, write ``gpu-report.json``; 2 without CUDA, 1 if a check failed."""
-    if not torch.cuda.is_available():
+    """``--list``: the plan, 0; without CUDA: one line, 2; else the runs, ``gpu-report.json``,
+    the table, and 0 if every run that ran passed (1 otherwise)."""
+    args = parse_args(argv)
+    if not args.list and not torch.cuda.is_available():
         print("make gpu-check needs a CUDA GPU: torch.cuda.is_available() is False here; nothing was run")
         return 2
-    out_dir = ROOT / "gpu-report"
-    out_dir.mkdir(exist_ok=True)
-    results = [run_check(c) for c in checks(out_dir)]
-    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "checks": results}
+    try:
+        runs = select(plan(), args.only)
+        check_plan(runs)
+    except ValueError as exc:
+        print(f"gpu-check: {exc}", file=sys.stderr)
+        return 1
+    if args.list:
+        for run in runs:
+            print(f"{run.name:40s} {run.limit_s:>4d} s  python {' '.join(run.argv()[1:])}")
+        side = max([r.limit_s for r in runs if r.parallel], default=0)
+        print(f"budget {args.budget_s:.0f} s: side by side at most {side} s, then one at a time at most "
+              f"{sum(r.limit_s for r in runs if not r.parallel)} s (what does not fit is skipped, see --only)")
+        return 0
+    (ROOT / OUT).mkdir(exist_ok=True)
+    results = run_all(runs, args.budget_s)
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": results}
     (ROOT / "gpu-report.json").write_text(json.dumps(report, indent=2, default=str))
     print(table(results))
-    return 0 if all(r["rc"] == 0 for r in results) else 1
+    return 0 if all(r["rc"] in (0, None) for r in results) else 1

@@ -14,7 +14,7 @@ from detector.config import Config
 from detector.engine.amp import resolve_amp
 from detector.engine.optim import build_lr_scheduler, build_optimizer
 from detector.engine.setup import apply_speed_options as engine_speed_options, configure_torch, prepare_model
-from detector.engine.step import TrainStep
+from detector.engine.step_choice import build_train_step
 from detector.modeling import build_model
 
 from .batches import Batch
@@ -79,7 +79,10 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Con
 
 def make_ours_train_step(model: nn.Module, cfg: Config, device: torch.device,
                          log_optimizer: bool = False) -> Tuple[Callable[[Batch], Any], nn.Module]:
-    """The engine's own training step, ``detector.engine.step.TrainStep`` (autocast,
+    """The engine's own training step as the trainer chooses it
+    (``detector.engine.step_choice.build_train_step``: with ``train.static_step`` the
+    compiled static forward, with ``train.cuda_graphs`` the captured step), by default
+    ``detector.engine.step.TrainStep`` (autocast,
     float32 loss sum, GradScaler, gradient norm and clipping, the non-finite check with
     its one read-back, optimizer and LR scheduler step), on the model as the Trainer
     prepares it (``configure_torch`` and ``prepare_model``: norm policy, device and the
@@ -91,8 +94,8 @@ def make_ours_train_step(model: nn.Module, cfg: Config, device: torch.device,
     configure_torch(cfg)
     model, _ = prepare_model(model, cfg, device, world_size=1)
     optimizer = build_optimizer(model, cfg, 1, log=log_optimizer)
-    train_step = TrainStep(model, optimizer, build_lr_scheduler(optimizer, cfg), resolve_amp(cfg.train.amp, device),
-                           cfg.solver.clip_grad_norm, world_size=1)
+    train_step = build_train_step(cfg, model, model, optimizer, build_lr_scheduler(optimizer, cfg),
+                                  resolve_amp(cfg.train.amp, device), world_size=1)
 
     def step(batch: Batch) -> Any:
         images, targets = batch

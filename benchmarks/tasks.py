@@ -94,7 +94,9 @@ def benchmark_model(
         step, models[name] = make_step(model, cfg, device, task, torchvision_api=name == "torchvision",
                                        log_optimizer=name == "ours")
         if is_train and name == "ours":
-            out["ours_step"] = "detector.engine.step.TrainStep"
+            out["ours_step"] = ("detector.engine.graphed_train_step.GraphedTrainStep" if cfg.train.cuda_graphs
+                                else "detector.engine.step.TrainStep")
+            out["static_step"] = bool(cfg.train.static_step)
 
         def fn(i: int, step=step) -> int:
             batch = batches[i % len(batches)]

@@ -130,6 +130,8 @@ NOT_RUN: List[Tuple[str, str]] = [
      "tests/test_error_analysis.py::test_analysis_on_the_real_coco_results_file (realdata)"),
     (r"tools/benchmark\.py|detector\.benchmark\.|benchmarks[./]|^python tests/cases\.py ",
      "a measurement of minutes (docs/performance.md); tested by tests/test_benchmark*.py"),
+    (r"^make gpu-check$|^python tools/gpu_check\.py", "needs a CUDA GPU; without one, its one line, its plan "
+     "(--list) and its budget are tested by tests/test_gpu_check.py"),
     (r"faster_rcnn_r50_fpn_1x_coco\.yaml --resume|configs/faster_rcnn_r50_fpn_1x_coco\.yaml$",
      "a COCO training run (the COCO download)"),
     (r"(^| )(C|W|O|K|\.\.\.)( |$)|runs/x/|dets\.json|instances\.json|my_data\.yaml|photo\.jpg|VOCdevkit/",

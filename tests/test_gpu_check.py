@@ -1,4 +1,7 @@
-"""``make gpu-check`` on a machine without CUDA: one line, exit status 2."""
+"""``make gpu-check`` (benchmarks/gpu_check.py) on a machine without CUDA: one line and
+exit status 2; its plan, checked here so that a typo cannot waste a GPU session:
+every run the issue lists is there, every config loads with its overrides, every
+command line parses with its tool's own parser; the budget logic."""
 
 from __future__ import annotations
 
@@ -8,7 +11,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from benchmarks import gpu_check
+from benchmarks.gpu_check import Run, plan, run_all, select
+
+from conftest import ROOT, load_tool
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: gpu-check would run the checks")
@@ -18,3 +24,55 @@ def test_gpu_check_without_cuda_is_one_line_and_exit_2():
     assert out.returncode == 2, out.stderr
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 1 and "CUDA" in lines[0]
+
+
+def test_the_plan_runs_what_the_issue_lists():
+    runs = {r.name: r for r in plan()}
+    assert runs["pytest-gpu"].argv()[1:] == ["-m", "pytest", "-q", "-m", "gpu", "tests"]
+    train = [r for r in runs.values() if "--task" in r.args and "train" in r.args]
+    over = {r.name: set(r.overrides) for r in train}
+    graphs, static = {"train.static_step=true", "train.cuda_graphs=true"}, {"train.static_step=true"}
+    assert any(graphs <= o and "solver.images_per_gpu=2" in o for o in over.values())
+    assert any(graphs <= o and "solver.images_per_gpu=8" in o for o in over.values())
+    assert any(static <= o and "train.cuda_graphs=true" not in o for o in over.values())
+    assert any("train.compile_backbone=true" in o for o in over.values())
+    eager = [o for o in over.values() if not o & (static | {"train.compile_backbone=true"})]
+    assert {"train.amp.dtype=bfloat16", "train.amp.dtype=float16"} <= set().union(*eager)
+    assert all("--compare-torchvision" in r.args and "configs/faster_rcnn_r50_fpn_1x_coco.yaml" in r.args
+               for r in train)
+    assert "eval.amp=true" in runs["infer-r50-eval-amp"].overrides
+    assert runs["demo"].tool == runs["demo-graphs"].tool == "train"
+    assert graphs <= set(runs["demo-graphs"].overrides)
+    assert "static-check" in runs["static-check-demo"].args
+
+
+def test_every_command_parses_and_every_config_loads():
+    gpu_check.check_plan(plan())  # load_config with each run's overrides
+    parsers = {"benchmark": load_tool("benchmark").parse_args, "train": load_tool("train").parse_args}
+    for run in plan():
+        if run.tool in parsers:
+            args = parsers[run.tool](list(run.args))
+            assert args.config == run.config and list(args.overrides) == list(run.overrides), run.name
+    with pytest.raises(ValueError, match="unknown runs"):
+        select(plan(), "demo,no-such-run")
+    assert [r.name for r in select(plan(), "demo-graphs, demo")] == ["demo", "demo-graphs"]
+
+
+def test_list_prints_the_plan_without_a_gpu():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--list"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == [r.name for r in plan()]
+    assert lines[-1].startswith("budget 570 s")
+
+
+def test_runs_that_do_not_fit_the_budget_are_skipped_with_their_command(tmp_path):
+    quick = Run("pytest-version", "pytest", ("--version",), 120)
+    late = Run("late", "pytest", ("--version",), 120)
+    results = run_all([quick, late], budget_s=0.0, out_dir=tmp_path)
+    assert [r["rc"] for r in results] == [None, None]
+    assert "--only late" in results[1]["skipped"]
+    results = run_all([Run("side", "pytest", ("--version",), 120, parallel=True), quick], 240.0, tmp_path)
+    assert [r["rc"] for r in results] == [0, 0]
+    assert "pytest" in " ".join(results[1]["tail"]) and (tmp_path / "pytest-version.log").is_file()

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 
 class ModelEMA:
@@ -42,10 +42,18 @@ class ModelEMA:
         return self.decay * (1.0 - math.exp(-updates / self.warmup))
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        """One step of the average toward ``model`` (same architecture, without DDP)."""
+    def update(self, model: nn.Module, skip: Optional[Tensor] = None) -> None:
+        """One step of the average toward ``model`` (same architecture, without DDP).
+
+        ``skip``: a 0-d device flag of a step that decided on the device
+        (``train.cuda_graphs``); where it is 1 the average does not move, without a host
+        read. Such an update still counts in ``updates`` (the decay's ramp then counts
+        iterations, skipped ones included)."""
         self.updates += 1
         weight = 1.0 - self.decay_at(self.updates)
+        if skip is not None:
+            self._update_where(model, weight * (1.0 - skip))
+            return
         ema_f, model_f = [], []
         for e, m in zip(self.module.state_dict().values(), model.state_dict().values()):
             if e.is_floating_point():
@@ -55,6 +63,21 @@ class ModelEMA:
                 e.copy_(m)
         if ema_f:
             torch._foreach_lerp_(ema_f, model_f, weight)
+
+    def _update_where(self, model: nn.Module, weight: Tensor) -> None:
+        """``ema += weight * (model - ema)`` with a 0-d device ``weight``; integer buffers
+        copied (a skipped step left the model's as they were)."""
+        ema_f, model_f = [], []
+        for e, m in zip(self.module.state_dict().values(), model.state_dict().values()):
+            if e.is_floating_point():
+                ema_f.append(e)
+                model_f.append(m.detach())
+            else:
+                e.copy_(m)
+        if ema_f:
+            delta = torch._foreach_sub(model_f, ema_f)
+            torch._foreach_mul_(delta, weight)
+            torch._foreach_add_(ema_f, delta)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"model": self.module.state_dict(), "updates": self.updates}

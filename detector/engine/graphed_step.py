@@ -16,8 +16,8 @@ CUDA graph (``train.cuda_graphs: true``).
    counts the step (read it at logging points).
 
 With ``capture=True`` (CUDA only) the body runs a few times on a side stream, then is
-captured once into a ``torch.cuda.CUDAGraph``; each call copies the batch in and
-replays. With ``capture=False`` the same body runs eagerly, on any device: that is how
+captured into a ``torch.cuda.CUDAGraph``, once per canvas of ``model.canvas_sizes``;
+each call copies the batch into its canvas's input tensors and replays. With ``capture=False`` the same body runs eagerly, on any device: that is how
 the guard is tested on a CPU. Learning rates become 0-d device tensors that the LR
 scheduler fills in place, so the captured graph follows the schedule.
 """
@@ -31,21 +31,31 @@ from torch import Tensor, nn
 
 from detector.config import Config
 from detector.engine.amp import AmpSettings
+from detector.engine.buffer_guard import BufferSnapshot
 from detector.modeling.static_forward import StaticBatch
 
 LossFn = Callable[[StaticBatch], Tuple[Dict[str, Tensor], Dict[str, Tensor], Tensor]]
+Outputs = Tuple[Tensor, Tensor, Tensor]  # losses [1 + L], gradient norm, sampler statistics [S]
 WARMUP_STEPS = 3
 
 
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """One-line ``ValueError`` unless ``optimizer`` is a fused SGD (the one whose step
+    honours a device-side ``found_inf``)."""
+    if not isinstance(optimizer, torch.optim.SGD) or not all(g.get("fused") for g in optimizer.param_groups):
+        raise ValueError("config key 'solver.optimizer' must be sgd (fused, on CPU or CUDA parameters) "
+                         f"with train.cuda_graphs, got {type(optimizer).__name__}")
+
+
 def prepare_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Make a fused or foreach SGD capturable: 0-d tensor learning rates on ``device``
-    and zero momentum buffers (a first step would otherwise create them from a
-    skipped update). Raises ``ValueError`` for any other optimizer."""
-    groups = optimizer.param_groups
-    if not isinstance(optimizer, torch.optim.SGD) or not all(g["fused"] or g["foreach"] for g in groups):
-        raise ValueError("config key 'train.cuda_graphs' needs a fused or foreach SGD (solver.optimizer: sgd)")
-    for g in groups:
-        if not isinstance(g["lr"], Tensor):
+    """Make a fused SGD capturable: 0-d float32 tensor learning rates on ``device``
+    (an LR scheduler then fills them in place: ``torch.optim.lr_scheduler`` and
+    ``WarmupLRScheduler.continue_at`` do) and zero momentum buffers (a first step
+    would otherwise create them from a skipped update; with zero buffers the first
+    update equals the eager one). Raises ``ValueError`` for any other optimizer."""
+    check_optimizer(optimizer)
+    for g in optimizer.param_groups:
+        if not isinstance(g["lr"], Tensor) or g["lr"].device != device:
             g["lr"] = torch.tensor(float(g["lr"]), device=device)
         if g["momentum"] != 0:
             for p in g["params"]:
@@ -63,17 +73,22 @@ class GuardedStaticStep:
     Args:
         model: the ``FasterRCNN`` in training mode.
         losses_fn: ``batch -> (losses, stats, nms_unconverged)`` (``StaticForward.losses_fn``).
-        optimizer: a fused or foreach SGD over the model's parameters.
+        optimizer: a fused SGD over the model's parameters.
         amp: autocast settings (bfloat16 or off: float16's GradScaler is not captured).
         clip_grad_norm: max total gradient norm; <= 0 turns clipping off.
         capture: capture the body in a CUDA graph (CUDA only).
+        nms_unconverged: a 0-d int64 device counter the body adds the proposal NMS's
+            non-converged runs to (``StaticForward.nms_unconverged``); None: not counted.
 
     Attributes:
+        found_inf: 0-d float32 device tensor, 1.0 when the last step was skipped.
         nonfinite_steps: 0-d float32 device tensor, the skipped steps so far.
+        loss_names: ``("total_loss", *sorted loss names)``, known after the first call.
     """
 
     def __init__(self, model: nn.Module, losses_fn: LossFn, optimizer: torch.optim.Optimizer,
-                 amp: AmpSettings = AmpSettings(), clip_grad_norm: float = 0.0, capture: bool = False) -> None:
+                 amp: AmpSettings = AmpSettings(), clip_grad_norm: float = 0.0, capture: bool = False,
+                 nms_unconverged: Optional[Tensor] = None) -> None:
         if amp.uses_scaler:
             raise ValueError("config key 'train.amp.dtype' float16 needs a GradScaler, which the guarded static "
                              "step does not run: use bfloat16")
@@ -85,27 +100,33 @@ class GuardedStaticStep:
             raise ValueError(f"config key 'train.cuda_graphs' needs a CUDA device, got {self.device.type}")
         prepare_optimizer(optimizer, self.device)
         self.found_inf = torch.zeros((), device=self.device)
-        optimizer.found_inf = self.found_inf  # read by the fused/foreach SGD step, on the device
+        optimizer.found_inf = self.found_inf  # read by the fused SGD step, on the device
         self.nonfinite_steps = torch.zeros((), device=self.device)
-        self.buffers = [b for b in model.buffers()]
-        self.saved = [b.clone() for b in self.buffers]
+        self.nms_unconverged = nms_unconverged
+        self.snapshot = BufferSnapshot(model)
         self.capture = capture
-        self.graph: Optional["torch.cuda.CUDAGraph"] = None
-        self.inputs: Optional[StaticBatch] = None
-        self.outputs: Tuple[Tensor, Tensor] = (torch.zeros(0), torch.zeros(()))
+        # One graph per canvas (``model.canvas_sizes``): its input copies and outputs.
+        self.graphs: Dict[Tuple[int, ...], Tuple["torch.cuda.CUDAGraph", StaticBatch, Outputs]] = {}
         self.loss_names: Tuple[str, ...] = ()
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        self.stat_names: Tuple[str, ...] = ()
+        optimizer.zero_grad(set_to_none=True)  # the first backward creates the gradients the step uses
 
-    def body(self, batch: StaticBatch) -> Tuple[Tensor, Tensor]:
-        """The iteration's device work; returns ``[1 + L]`` losses (total first) and the
-        gradient norm, both on the device."""
-        for saved, buf in zip(self.saved, self.buffers):
-            saved.copy_(buf)
-        torch._foreach_zero_(self.params_with_grad())
-        with torch.autocast(self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled):
-            losses, _, _ = self.losses_fn(batch)
+    def body(self, batch: StaticBatch) -> Outputs:
+        """The iteration's device work; returns ``[1 + L]`` losses (total first), the
+        gradient norm and the ``[S]`` sampler statistics (``stat_names``), on the device. The gradients are zeroed in place (a captured
+        graph keeps their addresses); a parameter the static losses do not reach keeps
+        ``grad`` None, so the SGD step leaves it alone, as the eager step does."""
+        self.snapshot.take()  # BatchNorm's running statistics change in the forward pass
+        grads = self.params_with_grad()
+        if grads:  # (none before the first backward)
+            torch._foreach_zero_(grads)
+        # No autocast weight cache under capture: cached casts would outlive the graph's inputs.
+        with torch.autocast(self.device.type, dtype=self.amp.dtype, enabled=self.amp.enabled,
+                            cache_enabled=not self.capture):
+            losses, stats, unconverged = self.losses_fn(batch)
+        if self.nms_unconverged is not None:
+            self.nms_unconverged.add_(unconverged.sum())
+        self.stat_names = tuple(sorted(stats))
         self.loss_names = ("total_loss", *sorted(losses))
         parts = torch.stack([losses[k].float() for k in sorted(losses)])
         total = parts.sum()
@@ -116,50 +137,59 @@ class GuardedStaticStep:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.clip_grad_norm, grad_norm, foreach=True)
         self.found_inf.copy_(nonfinite_flag(total, grad_norm))
         self.optimizer.step()
-        bad = self.found_inf > 0
-        for saved, buf in zip(self.saved, self.buffers):
-            buf.copy_(torch.where(bad, saved, buf))
+        self.snapshot.restore_where(self.found_inf > 0)
         self.nonfinite_steps.add_(self.found_inf)
-        return torch.cat([total.detach().reshape(1), parts.detach()]), grad_norm.detach()
+        stat_values = (torch.stack([stats[k].float() for k in self.stat_names]) if self.stat_names
+                       else torch.zeros(0, device=self.device))
+        return torch.cat([total.detach().reshape(1), parts.detach()]), grad_norm.detach(), stat_values.detach()
 
     def _state_tensors(self) -> List[Tensor]:
-        """Everything a step changes: parameters, buffers, momentum buffers, the counter."""
+        """Everything a step changes: parameters, buffers, momentum buffers, counters."""
         momentum = [s["momentum_buffer"] for s in self.optimizer.state.values() if "momentum_buffer" in s]
-        return [p.data for p in self.params] + list(self.buffers) + momentum + [self.nonfinite_steps]
+        counters = [self.nonfinite_steps] + ([self.nms_unconverged] if self.nms_unconverged is not None else [])
+        return [p.data for p in self.params] + list(self.model.buffers()) + momentum + counters
 
     def params_with_grad(self) -> List[Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
-    def __call__(self, batch: StaticBatch) -> Tuple[Tensor, Tensor]:
-        """Train on ``batch``; ``(losses [1 + L], grad_norm)`` on the device (names in
-        ``loss_names``). Captured steps return the same output tensors every call."""
+    def __call__(self, batch: StaticBatch) -> Outputs:
+        """Train on ``batch``; ``(losses [1 + L], grad_norm, stats [S])`` on the device
+        (names in ``loss_names`` and ``stat_names``). Captured steps return the same output tensors every call of a
+        canvas: copy them to keep them. The first batch of each canvas captures its graph."""
         if not self.capture:
             return self.body(batch)
-        if self.graph is None:
-            self._capture(batch)
-        for dst, src in zip(self.inputs, batch):
+        key = tuple(batch.images.shape)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(batch)
+        graph, inputs, outputs = self.graphs[key]
+        for dst, src in zip(inputs, batch):
             dst.copy_(src, non_blocking=True)
-        self.graph.replay()
-        return self.outputs
+        graph.replay()
+        return outputs
 
-    def _capture(self, batch: StaticBatch) -> None:
-        """Warm up on a side stream, then capture the body. The warm-up steps are undone
-        (parameters, buffers, momentum and the counter restored), so the first replay
-        is the first training step."""
-        self.inputs = StaticBatch(*(t.clone() for t in batch))
+    def _capture(self, batch: StaticBatch) -> Tuple["torch.cuda.CUDAGraph", StaticBatch, Outputs]:
+        """Warm up on a side stream, then capture the body into a new graph (its own
+        memory pool); returns ``(graph, its input tensors, its outputs)``. The warm-up
+        steps are undone (parameters, buffers, momentum, the counters and the device's
+        random state restored), so the first replay is the next training step and draws
+        what the eager step would."""
+        inputs = StaticBatch(*(t.clone() for t in batch))
         state = self._state_tensors()
         before = [t.clone() for t in state]
+        rng = torch.cuda.get_rng_state(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_STEPS):
-                self.body(self.inputs)
+                self.body(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         with torch.no_grad():
             torch._foreach_copy_(state, before)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = self.body(self.inputs)
+        torch.cuda.set_rng_state(rng, self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = self.body(inputs)
+        return graph, inputs, outputs
 
 
 def check_cuda_graphs(cfg: Config, device: torch.device) -> None:

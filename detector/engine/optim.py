@@ -215,12 +215,16 @@ class WarmupLRScheduler(torch.optim.lr_scheduler.LRScheduler):
     def continue_at(self, iteration: int) -> None:
         """Resume the schedule at ``iteration`` (steps taken so far) with this
         scheduler's own settings (from the current config): every group's LR becomes
-        ``base_lr * factor(iteration)``, exactly what stepping there would give."""
+        ``base_lr * factor(iteration)``, exactly what stepping there would give. A
+        tensor LR (``train.cuda_graphs``: a captured step reads it) is filled in place."""
         self.last_epoch = int(iteration)
         self._step_count = int(iteration) + 1
         values = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, values):
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         self._last_lr = values
 
 

@@ -7,7 +7,8 @@
 (``compile_static_losses``: ``torch.compile(fullgraph=True, dynamic=False)``, one graph
 per canvas of ``model.canvas_sizes``). It returns the model's ``TrainingLosses`` (the
 samplers' statistics in ``stats``). The proposal NMS's non-convergence count is kept on
-the device (``nms_unconverged``), to be read at logging points (``counters``).
+the device (``nms_unconverged``), to be read at logging points (``counters``). With
+``train.cuda_graphs`` the trainer runs it through ``engine.graphed_train_step``.
 """
 
 from __future__ import annotations
@@ -104,19 +105,18 @@ class StaticForward:
             f"record: raise config key 'rpn.nms_max_iters' (now {self.nms_max_iters})")]
 
 
-def static_forward(cfg: Config, model: nn.Module, world_size: int) -> Optional[StaticForward]:
-    """The trainer's forward: a compiled ``StaticForward`` when ``train.static_step`` is
-    on (one process only: the static forward calls the model's parts directly, past
-    DDP's gradient hooks), else None (the model itself). ``train.cuda_graphs`` is
-    refused in one line (on a CPU; and on CUDA until the trainer runs it)."""
+def static_forward(cfg: Config, model: nn.Module, world_size: int, eager: bool = False) -> Optional[StaticForward]:
+    """The trainer's static forward: a compiled ``StaticForward`` when
+    ``train.static_step`` is on, else None (the model itself). ``eager``: uncompiled
+    (debugging, the CPU tests) and, with ``train.cuda_graphs``, not captured, so any
+    device will do. Refused in one line: ``train.cuda_graphs`` off CUDA (unless
+    ``eager``), and more than one process: the static forward calls the model's parts
+    directly, past DDP's gradient hooks, so nothing would all-reduce the gradients."""
     if not cfg.train.static_step:
         return None
-    device = unwrap(model).device
-    check_cuda_graphs(cfg, device)
-    if cfg.train.cuda_graphs:
-        raise ValueError("config key 'train.cuda_graphs': the trainer does not run the captured step yet "
-                         "(engine.graphed_step.GuardedStaticStep); use train.static_step alone")
+    if not eager:
+        check_cuda_graphs(cfg, unwrap(model).device)
     if world_size > 1:
         raise ValueError("config key 'train.static_step' runs on one process for now "
                          f"(got {world_size}): it bypasses DDP's gradient synchronisation")
-    return StaticForward.from_config(model, cfg, compiled=True)
+    return StaticForward.from_config(model, cfg, compiled=not eager)

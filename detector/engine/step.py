@@ -62,6 +62,10 @@ class StepResult:
             ``TrainingLosses.stats``), each the mean over the micro-batches where it is
             defined (NaN where it is defined in none). Not synchronised.
         stat_names: their names, sorted (empty when the forward returns none).
+        skip_flag: None, or (the step of ``train.cuda_graphs``, which decides on the
+            device and reads nothing back) a 0-d float32 device tensor, 1.0 when the
+            step was skipped as non-finite; ``skipped`` and ``nonfinite`` are then False
+            and the hooks read the flag at logging points.
     """
 
     losses: Tensor
@@ -72,6 +76,7 @@ class StepResult:
     stop: bool
     stats: Tensor = field(default_factory=lambda: torch.zeros(0))
     stat_names: Tuple[str, ...] = ()
+    skip_flag: Optional[Tensor] = None
 
 
 class TrainStep:

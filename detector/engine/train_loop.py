@@ -102,7 +102,7 @@ class Trainer:
         model: the model ``step`` trains (DDP-wrapped under ``torchrun``).
         loader: the training loader; its ``batch_sampler`` has ``set_epoch`` and
             ``set_start`` (batches of an epoch to skip).
-        step: one training iteration (``TrainStep``).
+        step: one training iteration (``TrainStep``; ``GraphedTrainStep`` for ``train.cuda_graphs``).
         hooks: called in list order (see the module docstring).
         state: where to start (``LoopState(max_iter)``, or a resumed position).
         data_seed: seeds the loader's worker generator each epoch (with the epoch), so

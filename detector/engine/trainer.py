@@ -10,7 +10,7 @@ other, each made by a plain call into the module that owns it:
    ``model.num_classes`` (all checked before the model is built);
 3. the model (initial weights, a summary on rank 0), prepared for the device (SyncBN,
    DDP: ``detector.engine.setup``), the optimizer and LR schedule
-   (``detector.engine.optim``), the ``TrainStep`` and the training loader;
+   (``detector.engine.optim``), the training step (``detector.engine.step_choice``) and the training loader;
 4. checkpointing (``detector.engine.checkpointing``) and, with ``--resume``, the
    restored state;
 5. the run's records (``config.yaml``, ``metrics.jsonl``, TensorBoard) and the hooks
@@ -49,8 +49,8 @@ from detector.engine.log import DeviceCounter, EventWriters, JSONLWriter, Tensor
 from detector.engine.optim import build_lr_scheduler, build_optimizer, resolve_epoch_schedule
 from detector.engine.run_folder import RunFolder, check_output_dir, check_run_folder_apart_from_data
 from detector.engine.setup import configure_torch, prepare_model
-from detector.engine.static_step import static_forward
-from detector.engine.step import TrainStep
+from detector.engine.static_step import StaticForward
+from detector.engine.step_choice import build_train_step
 from detector.engine.train_loop import HookBase, LoopState, Trainer, TrainResult
 from detector.messages import first_line
 from detector.modeling import FasterRCNN, build_model
@@ -76,6 +76,7 @@ def build_trainer(
     resume: "bool | str | os.PathLike | None" = None,
     overwrite: bool = False,
     run_folder: Optional[RunFolder] = None,
+    eager_static: bool = False,
 ) -> Trainer:
     """Build the training run ``cfg`` describes (see the module docstring).
 
@@ -88,6 +89,9 @@ def build_trainer(
         overwrite: a fresh start deletes the checkpoints and records of the folder's run.
         run_folder: a folder already opened by the caller (``RunFolder.open``); by
             default ``train.output_dir`` is opened (locked) until ``Trainer.close()``.
+        eager_static: run ``train.static_step`` uncompiled and ``train.cuda_graphs``
+            uncaptured: the same step, eagerly, on any device (to debug it; the CPU
+            tests of the captured step's wiring).
     """
     if cfg.solver.max_iter <= 0 and cfg.solver.max_epochs <= 0:
         raise ValueError(f"solver.max_iter must be > 0 (or solver.max_epochs), got {cfg.solver.max_iter}")
@@ -102,14 +106,15 @@ def build_trainer(
                                           dist.world_size)
     on_close: List[Callable[[], None]] = [folder.close] if run_folder is None else []
     try:
-        return _build_in_folder(cfg, dist, folder, on_close)
+        return _build_in_folder(cfg, dist, folder, on_close, eager_static)
     except BaseException:
         for close in reversed(on_close):
             close()
         raise
 
 
-def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: List[Callable[[], None]]) -> Trainer:
+def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: List[Callable[[], None]],
+                     eager_static: bool = False) -> Trainer:
     """Steps 2-6 of the module docstring, in the run folder this process holds.
     ``on_close`` gets the writers to close (before the folder is released)."""
     is_main, output_dir = dist.rank == 0, Path(cfg.train.output_dir)
@@ -123,8 +128,8 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     model, model_without_ddp = prepare_model(model, cfg, dist.device, dist.world_size)
     optimizer = build_optimizer(model, cfg, dist.world_size)
     scheduler = build_lr_scheduler(optimizer, cfg)
-    static = static_forward(cfg, model_without_ddp, dist.world_size)
-    step = TrainStep(model, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, dist.world_size, forward=static)
+    step = build_train_step(cfg, model, model_without_ddp, optimizer, scheduler, amp, dist.world_size, eager_static)
+    static = step.forward if isinstance(step.forward, StaticForward) else None
 
     state = LoopState(max_iter=cfg.solver.max_iter)
     training_state = TrainingState(model_without_ddp, optimizer, scheduler, step.scaler, state, cfg, dist.world_size)
@@ -237,13 +242,13 @@ def _open_run_records(cfg: Config, output_dir: Path, iteration: int, resumed: bo
     return writers
 
 
-def _build_hooks(cfg: Config, dist: DistInfo, checkpointer: Checkpointer, writers: EventWriters, step: TrainStep,
+def _build_hooks(cfg: Config, dist: DistInfo, checkpointer: Checkpointer, writers: EventWriters, step: Any,
                  eval_hook: EvalHook, counters: List[DeviceCounter]) -> List[HookBase]:
     """The hooks in their order (see ``detector.engine.hooks``); ``counters``: the step's
     device counts, for the metrics."""
     is_main, world_size = dist.rank == 0, dist.world_size
     return [
-        NonFiniteGuard(cfg.train.max_nonfinite_steps, checkpointer, world_size),
+        NonFiniteGuard(cfg.train.max_nonfinite_steps, checkpointer, world_size, cfg.train.log_period),
         MetricsWriter(cfg.train.log_period, step.optimizer, writers, dist.device, world_size, step.scaler,
                       progress_bar=is_main and sys.stderr.isatty(), is_main=is_main, counters=counters),
         PeriodicCheckpointer(checkpointer, cfg.train.checkpoint_period),

@@ -13,14 +13,18 @@ from detector.engine.train_loop import HookBase, LoopState
 
 class EMAHook(HookBase):
     """``ema.update(model)`` after each iteration whose optimizer step was taken (a
-    skipped step leaves the average as it is, like the weights)."""
+    skipped step leaves the average as it is, like the weights; a step flagged on the
+    device, ``train.cuda_graphs``, moves it by 0 without a host read)."""
 
     def __init__(self, ema: ModelEMA, model: nn.Module) -> None:
         self.ema = ema
         self.model = model
 
     def after_step(self, state: LoopState) -> None:
-        if state.step is not None and not state.step.skipped:
+        flag = getattr(state.step, "skip_flag", None)
+        if flag is not None:
+            self.ema.update(self.model, skip=flag)  # decided on the device
+        elif state.step is not None and not state.step.skipped:
             self.ema.update(self.model)
 
 

@@ -27,7 +27,9 @@ class MetricsWriter(HookBase):
     and gradient norm (over iterations and ranks; non-finite steps left out), each group's
     LR, iteration and data time, images/s, peak memory and the AMP scale, to the
     console, ``metrics.jsonl`` and TensorBoard. Per iteration it only keeps the step's
-    device tensors: nothing is read back outside logging points.
+    device tensors: nothing is read back outside logging points. A step that decides
+    its skips on the device (``StepResult.skip_flag``, ``train.cuda_graphs``) has its
+    skipped steps left out of the means on the device too.
 
     The samplers' statistics (``StepResult.stats``: ``rpn/num_pos_anchors``, ...) are
     window means too, over the steps (and ranks) where they are defined; one defined
@@ -82,6 +84,7 @@ class MetricsWriter(HookBase):
         self._grad_norms: List[torch.Tensor] = []
         self._stats: List[torch.Tensor] = []
         self._stat_names: Tuple[str, ...] = ()
+        self._flags: List[torch.Tensor] = []
         self._names: tuple = ()
         self._skipped = 0
         self._images = 0
@@ -102,16 +105,20 @@ class MetricsWriter(HookBase):
         self._images += state.batch_images
         self._data_time += state.data_time
         self._names = step.loss_names
-        if step.nonfinite:
-            self._skipped += 1
-        else:
+        flag = getattr(step, "skip_flag", None)
+        if flag is not None:  # skips masked on the device at the logging point
+            self._flags.append(flag)
             self._losses.append(step.losses)
-            if step.stat_names:
-                if step.stat_names != self._stat_names:  # (a forward that changed its statistics)
-                    self._stats, self._stat_names = [], step.stat_names
-                self._stats.append(step.stats)
-        if not step.skipped:  # (a float16 overflow has finite losses but no finite norm)
             self._grad_norms.append(step.grad_norm)
+            self._add_stats(step)
+        else:
+            if step.nonfinite:
+                self._skipped += 1
+            else:
+                self._losses.append(step.losses)
+                self._add_stats(step)
+            if not step.skipped:  # (a float16 overflow has finite losses but no finite norm)
+                self._grad_norms.append(step.grad_norm)
         if self._bar is not None:
             self._bar.update(1)
         if state.iteration % self.period == 0 or state.iteration == state.max_iter or state.stopping:
@@ -126,15 +133,21 @@ class MetricsWriter(HookBase):
             self._bar.close()
             self._bar = None
 
+    def _add_stats(self, step: Any) -> None:
+        """Keep the step's sampler statistics (device tensors) for the window."""
+        if step.stat_names:
+            if step.stat_names != self._stat_names:  # (a forward that changed its statistics)
+                self._stats, self._stat_names = [], step.stat_names
+            self._stats.append(step.stats)
+
     def _reduce(self, n: int) -> List[float]:
         """The window's device figures, reduced over ranks and read back (the read-back
         of a logging point): ``n`` mean losses, the mean gradient norm (both averaged
         over ranks), images, skipped steps, then per statistic the sum and the count of
         its defined values, then each counter's value (all summed over ranks)."""
-        nan = torch.full((1,), float("nan"), device=self.device)
-        mean = torch.stack(self._losses).mean(0) if self._losses else nan.expand(n)
-        grad_norm = torch.stack(self._grad_norms).mean().reshape(1) if self._grad_norms else nan
+        mean, grad_norm, device_skips = self._window_means(n)
         counts = torch.tensor([float(self._images), float(self._skipped)], device=mean.device)
+        counts[1:] += device_skips
         parts = [mean.float(), grad_norm.float(), counts]
         if self._stats:
             rows = torch.stack(self._stats).float()  # [steps, S]
@@ -161,6 +174,20 @@ class MetricsWriter(HookBase):
             if grown > 0 and self.is_main:
                 logger.warning(counter.message.format(count=grown))
         return out
+
+    def _window_means(self, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The window's mean losses ``[n]`` and gradient norm ``[1]`` (NaN when no step
+        counts) and the device-flagged skips ``[1]``, all on the device."""
+        nan = torch.full((1,), float("nan"), device=self.device)
+        if not self._flags:
+            mean = torch.stack(self._losses).mean(0) if self._losses else nan.expand(n)
+            grad_norm = torch.stack(self._grad_norms).mean().reshape(1) if self._grad_norms else nan
+            return mean, grad_norm, torch.zeros(1, device=mean.device)
+        bad = torch.stack(self._flags) > 0  # [T]
+        kept = (~bad).float().sum()
+        mean = torch.where(bad[:, None], 0.0, torch.stack(self._losses)).sum(0) / kept
+        grad_norm = (torch.where(bad, 0.0, torch.stack(self._grad_norms)).sum() / kept).reshape(1)
+        return mean, grad_norm, bad.float().sum().reshape(1)
 
     def write(self, state: LoopState) -> Dict[str, Any]:
         """Reduce the window, write the record and start a new window; returns the record."""

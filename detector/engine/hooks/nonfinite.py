@@ -4,6 +4,10 @@ failing, naming the checkpoint to resume from."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
+
+import torch
+from torch import Tensor
 
 from detector.distributed import all_gather_object
 from detector.engine.checkpointing import Checkpointer
@@ -24,18 +28,31 @@ class NonFiniteGuard(HookBase):
     before the first failing step: resuming from the state just before it would
     repeat the same forward pass on the same batch, whatever the LR. Failing that, the
     newest finite checkpoint; failing that, the current state is saved if it is finite
-    (the skipped steps did not change the weights)."""
+    (the skipped steps did not change the weights).
 
-    def __init__(self, max_in_row: int, checkpointer: Checkpointer, world_size: int = 1) -> None:
+    A step that decides on the device (``train.cuda_graphs``: ``StepResult.skip_flag``)
+    is counted on the device: the run of skipped steps in a row, and the iteration where
+    it first reached ``max_in_row``. Those are read every ``period`` iterations (the
+    logging points, ``train.log_period``) and at the end, so the stop comes at the next
+    logging point; the skipped steps in between changed nothing."""
+
+    def __init__(self, max_in_row: int, checkpointer: Checkpointer, world_size: int = 1, period: int = 1) -> None:
         if max_in_row <= 0:
             raise ValueError(f"train.max_nonfinite_steps must be > 0, got {max_in_row}")
         self.max_in_row = max_in_row
         self.checkpointer = checkpointer
         self.world_size = world_size
+        self.period = max(1, int(period))
         self.in_row = 0
+        # Device counters: [iteration, skipped in a row, iteration the limit was reached (-1: not), window skips]
+        self._counters: Optional[Tensor] = None
 
     def after_step(self, state: LoopState) -> None:
         step = state.step
+        flag = getattr(step, "skip_flag", None)
+        if flag is not None:
+            self._count_on_device(flag, state)
+            return
         if step is None or not step.nonfinite:
             self.in_row = 0
             return
@@ -48,6 +65,31 @@ class NonFiniteGuard(HookBase):
             raise NonFiniteLossError(
                 f"{k} non-finite losses in a row (train.max_nonfinite_steps={k}) at iteration {state.iteration}; "
                 f"stopped; {self._resume_point(state.iteration - k + 1, state.iteration)}. "
+                "Lower solver.lr, enable solver.clip_grad_norm, or check the data"
+            )
+
+    def _count_on_device(self, flag: Tensor, state: LoopState) -> None:
+        """Update the device counters with this step's ``flag``; at a logging point read
+        them, warn about the skipped steps and stop when the limit was reached."""
+        if self._counters is None:
+            self._counters = torch.tensor([state.iteration - 1, 0.0, -1.0, 0.0], device=flag.device)
+        it, row, reached, window = self._counters.unbind()
+        it.add_(1)
+        row.add_(1).mul_(flag)
+        reached.copy_(torch.where((row >= self.max_in_row) & (reached < 0), it, reached))
+        window.add_(flag)
+        if state.iteration % self.period and state.iteration < state.max_iter and not state.stopping:
+            return
+        _, _, at, skipped = self._counters.tolist()  # the read-back of a logging point
+        window.zero_()
+        if skipped:
+            logger.warning("iterations up to %d: %d non-finite steps skipped (loss or gradient not finite)",
+                           state.iteration, int(skipped))
+        if at >= 0:
+            k = self.max_in_row
+            raise NonFiniteLossError(
+                f"{k} non-finite losses in a row (train.max_nonfinite_steps={k}) at iteration {int(at)}, seen at "
+                f"iteration {state.iteration}; stopped; {self._resume_point(int(at) - k + 1, state.iteration)}. "
                 "Lower solver.lr, enable solver.clip_grad_norm, or check the data"
             )
 
