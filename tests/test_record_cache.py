@@ -263,7 +263,8 @@ WORKER = textwrap.dedent("""
     from detector.data import coco
     from detector.data.files import DataError
     from detector.data.record_cache import RecordCache
-    from detector.distributed import init_distributed
+    import torch.distributed
+    from detector.distributed import cleanup, init_distributed
 
     ann, bad, cache_dir, side = sys.argv[1:]
     info = init_distributed("cpu", timeout_s=120)
@@ -290,6 +291,10 @@ WORKER = textwrap.dedent("""
         out["bad"] = str(exc)
     out["calls_after_bad"] = len(calls)
     Path(side, f"rank{info.rank}.json").write_text(json.dumps(out))
+    # Leave together: a rank exiting while the other still holds the gloo pair can end
+    # in std::terminate at interpreter exit.
+    torch.distributed.barrier()
+    cleanup()
 """)
 
 
