@@ -234,9 +234,15 @@ class ROIHeads(nn.Module):
 
     def losses(self, class_logits: Tensor, box_deltas: Tensor, labels: Tensor, reg_targets: Tensor,
                valid: Tensor) -> TrainingLosses:
+        """``losses_and_stats`` as a ``TrainingLosses``."""
+        return TrainingLosses(*self.losses_and_stats(class_logits, box_deltas, labels, reg_targets, valid))
+
+    def losses_and_stats(self, class_logits: Tensor, box_deltas: Tensor, labels: Tensor, reg_targets: Tensor,
+                         valid: Tensor) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
         """Cross-entropy and class-specific weighted SmoothL1, both divided by the number
         of sampled RoIs in the batch; the sample's foreground fraction and classification
-        accuracy in the result's ``stats`` (``training_stats.roi_sample_stats``).
+        accuracy in ``stats`` (``training_stats.roi_sample_stats``): ``(losses, stats)``,
+        plain dicts (the static step compiles this).
 
         Args:
             class_logits: ``[R, C]``; box_deltas: ``[R, 4C]``; labels: ``[R]``;
@@ -248,8 +254,7 @@ class ROIHeads(nn.Module):
         loss_cls = (F.cross_entropy(class_logits, labels, reduction="none") * weight).sum() / num_sampled
         targets, inside = class_specific_targets(reg_targets, labels * valid, class_logits.shape[1])
         loss_box = weighted_smooth_l1(box_deltas, targets, inside, None, self.sigma) / num_sampled
-        return TrainingLosses({"loss_roi_cls": loss_cls, "loss_roi_box": loss_box},
-                              roi_sample_stats(class_logits, labels, valid))
+        return {"loss_roi_cls": loss_cls, "loss_roi_box": loss_box}, roi_sample_stats(class_logits, labels, valid)
 
     # ------------------------------------------------------------------ inference
 

@@ -248,8 +248,14 @@ class RegionProposalNetwork(nn.Module):
     def padded_losses(self, anchors: Tensor, logits: Tensor, deltas: Tensor, gt: Tensor,
                       gt_valid: Tensor) -> TrainingLosses:
         """``losses`` with the ground truth already padded: ``gt`` ``[N, G, 4]`` (padding
-        slots hold ``matching.PAD_BOX``), ``gt_valid`` ``[N, G]`` bool (G >= 1). Shapes
-        depend on the inputs' shapes only (the static step uses it as is)."""
+        slots hold ``matching.PAD_BOX``), ``gt_valid`` ``[N, G]`` bool (G >= 1)."""
+        return TrainingLosses(*self.padded_losses_and_stats(anchors, logits, deltas, gt, gt_valid))
+
+    def padded_losses_and_stats(self, anchors: Tensor, logits: Tensor, deltas: Tensor, gt: Tensor,
+                                gt_valid: Tensor) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+        """``padded_losses`` as ``(losses, stats)`` plain dicts. Shapes depend on the
+        inputs' shapes only; the static step compiles it (torch 2.6's dynamo cannot build
+        a dict subclass inside a graph)."""
         labels, matched = self.label_anchors(anchors, gt, gt_valid)  # [N, T]
         sample = sample_minibatch(labels, self.batch_size_per_image, self.positive_fraction)  # [N, S]
         idx = sample.index
@@ -266,7 +272,7 @@ class RegionProposalNetwork(nn.Module):
         sampled_deltas = deltas.gather(1, idx[:, :, None].expand(-1, -1, 4))
         loss_box = weighted_smooth_l1(sampled_deltas, reg_targets, inside, outside, self.sigma)
         n = max(gt.shape[0], 1)
-        return TrainingLosses({"loss_rpn_cls": loss_cls / n, "loss_rpn_box": loss_box / n}, anchor_sample_stats(sample))
+        return {"loss_rpn_cls": loss_cls / n, "loss_rpn_box": loss_box / n}, anchor_sample_stats(sample)
 
     # ------------------------------------------------------------------ forward
 

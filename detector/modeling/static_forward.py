@@ -30,7 +30,6 @@ from .nms import DEFAULT_MAX_ITERS
 from .rpn import flatten_head_outputs
 from .static_roi_heads import static_roi_losses
 from .static_rpn import static_proposals
-from .training_stats import stats_of
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +113,9 @@ def static_losses(model: FasterRCNN, batch: StaticBatch,
                                    torch.float32)
     props = static_proposals(rpn, anchors, logits, deltas, batch.image_sizes, nms_max_iters)
     gt_boxes = batch.gt_boxes.float()
-    rpn_losses = rpn.padded_losses(torch.cat(anchors), torch.cat(logits, 1).float(), torch.cat(deltas, 1).float(),
+    rpn_losses, rpn_stats = rpn.padded_losses_and_stats(torch.cat(anchors), torch.cat(logits, 1).float(), torch.cat(deltas, 1).float(),
                                    gt_boxes, batch.gt_valid)
     pooled = [features[name] for name in model.backbone.pooled_levels]
-    roi_losses = static_roi_losses(model.roi_heads, pooled, props.boxes, props.valid, gt_boxes, batch.gt_labels,
+    roi_losses, roi_stats = static_roi_losses(model.roi_heads, pooled, props.boxes, props.valid, gt_boxes, batch.gt_labels,
                                    batch.gt_valid)
-    stats = {**stats_of(rpn_losses), **stats_of(roi_losses)}
-    return {**rpn_losses, **roi_losses}, stats, props.nms_unconverged
+    return {**rpn_losses, **roi_losses}, {**rpn_stats, **roi_stats}, props.nms_unconverged

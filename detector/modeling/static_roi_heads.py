@@ -10,7 +10,7 @@ RoIAlign per pooled level instead of one in all, with the same values per RoI.
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor
@@ -19,7 +19,6 @@ from torchvision.ops import roi_align as tv_roi_align
 from .matching import PAD_BOX
 from ..ops.roi_align import rois_for_kernel
 from .roi_heads import MultiLevelRoIAlign, ROIHeads
-from .training_stats import TrainingLosses
 
 
 def static_roi_align(pooler: MultiLevelRoIAlign, features: List[Tensor], boxes: Tensor) -> Tensor:
@@ -43,9 +42,10 @@ def static_roi_align(pooler: MultiLevelRoIAlign, features: List[Tensor], boxes: 
 
 
 def static_roi_losses(roi_heads: ROIHeads, features: List[Tensor], proposals: Tensor, proposals_valid: Tensor,
-                      gt_boxes: Tensor, gt_labels: Tensor, gt_valid: Tensor) -> TrainingLosses:
-    """``loss_roi_cls`` and ``loss_roi_box`` for padded inputs (with the sample's
-    statistics in ``stats``, as ``ROIHeads.losses``).
+                      gt_boxes: Tensor, gt_labels: Tensor, gt_valid: Tensor
+                      ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    """``({"loss_roi_cls", "loss_roi_box"}, stats)`` for padded inputs, as
+    ``ROIHeads.losses_and_stats``.
 
     Args:
         features: the pooled levels, ``[B, C, H_l, W_l]`` each.
@@ -59,4 +59,4 @@ def static_roi_losses(roi_heads: ROIHeads, features: List[Tensor], proposals: Te
     rois, labels, reg_targets, valid = roi_heads.sample_padded(props, proposals_valid, gt_boxes, gt_valid, gt_labels)
     x = roi_heads.box_head(static_roi_align(roi_heads.box_roi_pool, features, rois))
     class_logits, box_deltas = roi_heads.box_predictor(x)
-    return roi_heads.losses(class_logits, box_deltas, labels, reg_targets, valid)
+    return roi_heads.losses_and_stats(class_logits, box_deltas, labels, reg_targets, valid)
