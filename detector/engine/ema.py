@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -51,22 +51,20 @@ class ModelEMA:
         iterations, skipped ones included)."""
         self.updates += 1
         weight = 1.0 - self.decay_at(self.updates)
-        if skip is not None:
-            self._update_where(model, weight * (1.0 - skip))
+        ema_f, model_f = self._float_pairs(model)
+        if not ema_f:
             return
-        ema_f, model_f = [], []
-        for e, m in zip(self.module.state_dict().values(), model.state_dict().values()):
-            if e.is_floating_point():
-                ema_f.append(e)
-                model_f.append(m.detach())
-            else:
-                e.copy_(m)
-        if ema_f:
+        if skip is None:
             torch._foreach_lerp_(ema_f, model_f, weight)
+        else:  # ema += weight * (1 - skip) * (model - ema), the weight a device tensor
+            delta = torch._foreach_sub(model_f, ema_f)
+            torch._foreach_mul_(delta, weight * (1.0 - skip))
+            torch._foreach_add_(ema_f, delta)
 
-    def _update_where(self, model: nn.Module, weight: Tensor) -> None:
-        """``ema += weight * (model - ema)`` with a 0-d device ``weight``; integer buffers
-        copied (a skipped step left the model's as they were)."""
+    def _float_pairs(self, model: nn.Module) -> Tuple[List[Tensor], List[Tensor]]:
+        """The average's floating-point tensors and the model's matching ones; integer
+        buffers (``num_batches_tracked``) are copied from the model on the way (a skipped
+        step left the model's as they were)."""
         ema_f, model_f = [], []
         for e, m in zip(self.module.state_dict().values(), model.state_dict().values()):
             if e.is_floating_point():
@@ -74,10 +72,7 @@ class ModelEMA:
                 model_f.append(m.detach())
             else:
                 e.copy_(m)
-        if ema_f:
-            delta = torch._foreach_sub(model_f, ema_f)
-            torch._foreach_mul_(delta, weight)
-            torch._foreach_add_(ema_f, delta)
+        return ema_f, model_f
 
     def state_dict(self) -> Dict[str, Any]:
         return {"model": self.module.state_dict(), "updates": self.updates}
