@@ -24,14 +24,13 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 import zlib
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import IO, Any, Dict, Tuple
 
 import numpy as np
 
-from detector.files import OutputError
+from detector.files import atomic_write
 
 from .files import DataError
 from .records import ALL_FIELDS, BOX_FIELDS, IMAGE_FIELDS, RecordStore
@@ -81,9 +80,9 @@ def _chunks(store: RecordStore, specs: Dict[str, list], data_bytes: int):
 
 
 def write_record_file(path: str | os.PathLike, store: RecordStore, key: Dict[str, Any], meta: Dict[str, Any]) -> Path:
-    """Write ``store`` with ``key`` and ``meta`` (JSON-able) to ``path``, atomically: into a
-    temporary file of a unique name in the same folder, flushed and fsynced, then put in
-    place. Where ``path`` exists already (another process wrote the same records), it is
+    """Write ``store`` with ``key`` and ``meta`` (JSON-able) to ``path``, atomically
+    (``files.atomic_write``: a temporary file in the same folder, fsynced, renamed).
+    Where ``path`` exists already (another process wrote the same records), it is
     replaced; readers that mapped the former file keep reading it.
 
     Raises:
@@ -97,25 +96,13 @@ def write_record_file(path: str | os.PathLike, store: RecordStore, key: Dict[str
     header = json.dumps({"version": VERSION, "key": key, "meta": meta, "data_bytes": data_bytes, "arrays": specs},
                         sort_keys=True).encode()
     prefix = _PREFIX.pack(MAGIC, len(header), zlib.crc32(header), data_crc)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users of a shared cache folder out
-        with os.fdopen(fd, "wb") as f:
-            f.write(prefix + header + bytes(_aligned(len(prefix) + len(header)) - len(prefix) - len(header)))
-            for chunk in _chunks(store, specs, data_bytes):
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-    return path
+
+    def write(f: IO[bytes]) -> None:
+        f.write(prefix + header + bytes(_aligned(len(prefix) + len(header)) - len(prefix) - len(header)))
+        for chunk in _chunks(store, specs, data_bytes):
+            f.write(chunk)
+
+    return atomic_write(path, write)
 
 
 def _header(mm: mmap.mmap, path: Path) -> Tuple[Dict[str, Any], int]:
