@@ -61,12 +61,7 @@ class NonFiniteGuard(HookBase):
         logger.warning("iteration %d: non-finite loss or gradient (%s); step skipped (%d in a row)",
                        state.iteration, values, self.in_row)
         if self.in_row >= self.max_in_row:
-            k = self.max_in_row
-            raise NonFiniteLossError(
-                f"{k} non-finite losses in a row (train.max_nonfinite_steps={k}) at iteration {state.iteration}; "
-                f"stopped; {self._resume_point(state.iteration - k + 1, state.iteration)}. "
-                "Lower solver.lr, enable solver.clip_grad_norm, or check the data"
-            )
+            raise self._stopped(state.iteration, state.iteration, f"at iteration {state.iteration}")
 
     def _count_on_device(self, flag: Tensor, state: LoopState) -> None:
         """Update the device counters with this step's ``flag``; at a logging point read
@@ -86,12 +81,17 @@ class NonFiniteGuard(HookBase):
             logger.warning("iterations up to %d: %d non-finite steps skipped (loss or gradient not finite)",
                            state.iteration, int(skipped))
         if at >= 0:
-            k = self.max_in_row
-            raise NonFiniteLossError(
-                f"{k} non-finite losses in a row (train.max_nonfinite_steps={k}) at iteration {int(at)}, seen at "
-                f"iteration {state.iteration}; stopped; {self._resume_point(int(at) - k + 1, state.iteration)}. "
-                "Lower solver.lr, enable solver.clip_grad_norm, or check the data"
-            )
+            raise self._stopped(int(at), state.iteration, f"at iteration {int(at)}, seen at iteration {state.iteration}")
+
+    def _stopped(self, reached_at: int, iteration: int, when: str) -> NonFiniteLossError:
+        """The one-line stop: ``max_in_row`` skipped steps ending at ``reached_at``, noticed
+        at ``iteration`` (``when`` says both), with the checkpoint to resume from."""
+        k = self.max_in_row
+        return NonFiniteLossError(
+            f"{k} non-finite losses in a row (train.max_nonfinite_steps={k}) {when}; stopped; "
+            f"{self._resume_point(reached_at - k + 1, iteration)}. "
+            "Lower solver.lr, enable solver.clip_grad_norm, or check the data"
+        )
 
     def _resume_point(self, first_bad: int, iteration: int) -> str:
         # Rank 0 sees the files; every rank must take the same branch (save is collective).
