@@ -29,7 +29,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -354,6 +354,48 @@ def reduce_dict(values: Dict[str, torch.Tensor], average: bool = True,
     if average:
         stacked /= get_world_size()
     return dict(zip(names, stacked))
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+    groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
+
+
+def _unflatten_into(flat: torch.Tensor, group: Sequence[torch.Tensor]) -> None:
+    torch._foreach_copy_(list(group), [piece.view_as(t) for t, piece in zip(group, flat.split([t.numel() for t in group]))])
+
+
+@torch.no_grad()
+def all_reduce_mean_(tensors: Sequence[torch.Tensor], world_size: int) -> None:
+    """Average ``tensors`` over the ranks of the default process group, in place.
+
+    Every rank passes tensors of the same shapes, dtypes and order (the gradients of one
+    model: ``[p.grad for p in params]``). They are concatenated per dtype into one flat
+    buffer (one extra copy of them), all-reduced once per dtype, divided by
+    ``world_size`` and copied back: the mean DDP computes, without its buckets and
+    without overlapping the backward pass. A no-op for ``world_size <= 1``."""
+    if world_size <= 1 or not tensors:
+        return
+    for group in _by_dtype(tensors):
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        _unflatten_into(flat, group)
+
+
+@torch.no_grad()
+def broadcast_(tensors: Sequence[torch.Tensor], world_size: int, src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s, in place, one broadcast per
+    dtype of their flat concatenation (DDP's ``broadcast_buffers`` for a model's buffers,
+    e.g. BatchNorm's running statistics). A no-op for ``world_size <= 1``."""
+    if world_size <= 1 or not tensors:
+        return
+    for group in _by_dtype(tensors):
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.broadcast(flat, src)
+        _unflatten_into(flat, group)
 
 
 def seed_everything(seed: int, rank: int = 0) -> int:

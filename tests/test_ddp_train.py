@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Dict, Tuple
 
 import pytest
 import torch
@@ -29,13 +30,13 @@ WORKER = textwrap.dedent("""
     from detector.engine.log import setup_logging
     from detector.engine.trainer import build_trainer
 
-    side, out, *overrides = sys.argv[1:]
+    side, out, eager_static, *overrides = sys.argv[1:]
     info = init_distributed("cpu")
     # Rank 1 is told another output folder: it must stay absent (rank 0 writes all files).
     out_rank = out if info.rank == 0 else out + "_rank1"
     cfg = load_config({config!r}, overrides + [f"train.output_dir={{out_rank}}"])
     setup_logging(cfg.train.output_dir, info.rank)
-    trainer = build_trainer(cfg, dist_info=info)
+    trainer = build_trainer(cfg, dist_info=info, eager_static=eager_static == "eager_static")
     assert isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
     model = trainer.model_without_ddp
     seen = []
@@ -60,9 +61,10 @@ WORKER = textwrap.dedent("""
 """).format(config=str(TINY_CONFIG))
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-def test_torchrun_two_cpu_ranks(tmp_path):
+def run_two_ranks(tmp_path: Path, *extra: str, eager_static: bool = False) -> Tuple[Path, Path]:
+    """The worker under ``torchrun --nproc_per_node=2`` (gloo) for 3 iterations on 8
+    generated images; returns (the side folder of each rank's parameters and seen
+    batches, the run folder)."""
     data = tmp_path / "shapes"
     out = tmp_path / "run"
     side = tmp_path / "side"
@@ -71,7 +73,7 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     script.write_text(WORKER)
     overrides = tiny_overrides(
         data, None, "solver.reference_batch_size=4", "solver.max_iter=3", "solver.warmup_iters=1",
-        "solver.steps=[100]", "train.checkpoint_period=2", "train.deterministic=false",
+        "solver.steps=[100]", "train.checkpoint_period=2", "train.deterministic=false", *extra,
     )
     # Generate the data once, before the ranks start.
     from detector.data.shapes import ensure_shapes
@@ -79,13 +81,24 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     ensure_shapes(data, 8, 4, 0, 64, 96)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(script), str(side), str(out), *overrides]
+           str(script), str(side), str(out), "eager_static" if eager_static else "-", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return side, out
 
+
+def rank_params(side: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
     p0 = torch.load(side / "params_0.pt", weights_only=True)
     p1 = torch.load(side / "params_1.pt", weights_only=True)
     assert p0.keys() == p1.keys() and len(p0) > 50
+    return p0, p1
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_torchrun_two_cpu_ranks(tmp_path):
+    side, out = run_two_ranks(tmp_path)
+    p0, p1 = rank_params(side)
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
 
     seen0 = json.loads((side / "seen_0.json").read_text())
@@ -112,3 +125,19 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     state = torch.load(out / "checkpoints" / "last.pth", weights_only=True)
     assert state["world_size"] == 2 and len(state["rng"]["per_rank"]) == 2
     assert all(torch.equal(state["model"][k], p0[k]) for k in p0)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_torchrun_two_cpu_ranks_static_step(tmp_path):
+    """``train.static_step`` (run eagerly: the trainer's ``eager_static``) under torchrun:
+    the step averages the gradients itself, so the ranks, which train on different
+    images, end with the same parameters, and these moved from the start."""
+    side, out = run_two_ranks(tmp_path, "train.static_step=true", "model.canvas_sizes=[[96,96]]",
+                              "data.max_gt_per_image=6", eager_static=True)
+    p0, p1 = rank_params(side)
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    records = [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "train"]
+    assert [r["iteration"] for r in records] == [1, 2, 3] and all(r["total_loss"] > 0 for r in records)
+    first = torch.load(out / "checkpoints" / "iter_0000002.pth", weights_only=True)["model"]
+    assert any(not torch.equal(first[k], p0[k]) for k in p0)  # iteration 3 changed them

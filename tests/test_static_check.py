@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.static_check import SyncCounter, synthetic_batches
 from detector.config import load_config
-from detector.engine.static_step import StaticForward, static_forward
+from detector.engine.static_step import StaticForward
 from detector.engine.step import TrainStep
 from detector.modeling import build_model
 
@@ -77,10 +77,3 @@ def test_train_step_runs_the_static_forward():
     assert result.loss_names == ("total_loss", "loss_roi_box", "loss_roi_cls", "loss_rpn_box", "loss_rpn_cls")
     assert not torch.equal(before, model.roi_heads.box_predictor.cls_score.weight)
     assert int(forward.nms_unconverged) >= 0
-
-
-def test_static_step_refuses_several_processes():
-    cfg = load_config(TINY_CONFIG, STATIC)
-    with pytest.raises(ValueError, match="'train.static_step' runs on one process"):
-        static_forward(cfg, build_model(cfg), world_size=2)
-    assert static_forward(load_config(TINY_CONFIG, []), build_model(cfg), world_size=2) is None

@@ -109,14 +109,17 @@ def static_forward(cfg: Config, model: nn.Module, world_size: int, eager: bool =
     """The trainer's static forward: a compiled ``StaticForward`` when
     ``train.static_step`` is on, else None (the model itself). ``eager``: uncompiled
     (debugging, the CPU tests) and, with ``train.cuda_graphs``, not captured, so any
-    device will do. Refused in one line: ``train.cuda_graphs`` off CUDA (unless
-    ``eager``), and more than one process: the static forward calls the model's parts
-    directly, past DDP's gradient hooks, so nothing would all-reduce the gradients."""
+    device will do. With several processes the static forward calls the model's parts
+    directly, past DDP's hooks: ``TrainStep(average_gradients=True)`` then does DDP's
+    buffer broadcast and gradient averaging. Refused in one line: ``train.cuda_graphs``
+    off CUDA (unless ``eager``), and SyncBatchNorm layers (``model.norm=syncbn`` on CUDA
+    with several processes), whose collectives in the forward pass are not part of the
+    static graph."""
     if not cfg.train.static_step:
         return None
     if not eager:
         check_cuda_graphs(cfg, unwrap(model).device)
-    if world_size > 1:
-        raise ValueError("config key 'train.static_step' runs on one process for now "
-                         f"(got {world_size}): it bypasses DDP's gradient synchronisation")
+    if any(isinstance(m, nn.SyncBatchNorm) for m in unwrap(model).modules()):
+        raise ValueError(f"config key 'model.norm' is {cfg.model.norm} (SyncBatchNorm across {world_size} processes), "
+                         "which train.static_step does not run: use bn (statistics per process), gn or frozen_bn")
     return StaticForward.from_config(model, cfg, compiled=not eager)

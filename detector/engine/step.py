@@ -23,6 +23,13 @@ skip would remove the read-back on CUDA.
 
 The trainer and the benchmark both use this class; it needs nothing but the model,
 the optimizer, the scheduler and the AMP settings.
+
+``average_gradients`` (the static step on several processes): the ``forward`` calls the
+model's parts directly, past DDP's hooks, so the step does DDP's two jobs itself: it
+broadcasts rank 0's buffers before the first forward pass (``broadcast_buffers``) and
+averages the gradients after the last backward pass (one all-reduce per dtype,
+``detector.distributed.all_reduce_mean_``). The result is DDP's; only the overlap of the
+all-reduce with the backward pass is lost.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from torch import Tensor, nn
 
 # Mixed-precision settings come from ``detector.engine.amp.resolve_amp``, the one place that
 # turns ``train.amp`` into them for a device.
+from detector.distributed import all_reduce_mean_, broadcast_
 from detector.engine.amp import AmpSettings
 from detector.engine.buffer_guard import BufferSnapshot
 from detector.modeling.training_stats import stats_of
@@ -95,6 +103,9 @@ class TrainStep:
             made, enabled for float16 AMP only.
         forward: ``forward(images, targets) -> losses`` used instead of ``model`` (the
             static step: ``engine.static_step.StaticForward``); None calls ``model``.
+        average_gradients: broadcast the buffers and average the gradients across the
+            ``world_size`` ranks here (a ``forward`` that bypasses DDP; module docstring).
+            A parameter without a gradient on a rank counts as a zero gradient, as in DDP.
     """
 
     def __init__(
@@ -107,6 +118,7 @@ class TrainStep:
         world_size: int = 1,
         scaler: Optional[torch.amp.GradScaler] = None,
         forward: Optional[Callable[[List[Tensor], List[Dict[str, Any]]], Dict[str, Tensor]]] = None,
+        average_gradients: bool = False,
     ) -> None:
         self.model = model
         self.forward = forward if forward is not None else model
@@ -122,6 +134,7 @@ class TrainStep:
         self.scaler = scaler if scaler is not None else torch.amp.GradScaler(self.device.type, enabled=amp.uses_scaler)
         self.buffers = BufferSnapshot(model)
         self._is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        self.average_gradients = bool(average_gradients) and self.world_size > 1
         # [0, 1] on the device: the stop flag is picked from it without a host-to-device copy.
         self._zero_one = torch.tensor([0.0, 1.0], device=self.device)
 
@@ -143,6 +156,8 @@ class TrainStep:
         if not batches:
             raise ValueError("accumulate needs at least one micro-batch")
         self.optimizer.zero_grad(set_to_none=True)
+        if self.average_gradients:
+            broadcast_(list(self.model.buffers()), self.world_size)
         self.buffers.take()  # BatchNorm's running statistics change in the forward pass
         names: Tuple[str, ...] = ()
         parts = torch.zeros((), device=self.device)
@@ -153,6 +168,8 @@ class TrainStep:
                 names, micro, micro_stats = self._forward_backward(images, targets, 1.0 / len(batches))
             parts = parts + micro
             stats.append(micro_stats)
+        if self.average_gradients:
+            all_reduce_mean_(self._dense_grads(), self.world_size)
         return self._finish(names, parts, bool(stop_requested), *mean_stats(stats, self.device))
 
     def _forward_backward(self, images: List[Tensor], targets: List[Dict[str, Any]],
@@ -167,6 +184,14 @@ class TrainStep:
             parts = parts * weight
         self.scaler.scale(parts.sum()).backward()
         return names, parts.detach(), stats_of(loss_dict)
+
+    def _dense_grads(self) -> List[Tensor]:
+        """The gradient of every parameter that requires one, a missing one made zero (the
+        same tensors on each rank)."""
+        for p in self.params:
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params if p.grad is not None]
 
     def _finish(self, names: Tuple[str, ...], parts: Tensor, stop_requested: bool, stat_names: Tuple[str, ...],
                 stats: Tensor) -> StepResult:

@@ -2,7 +2,8 @@
 benchmarks alike.
 
 - the model's own forward in ``TrainStep`` (the default);
-- ``train.static_step``: ``TrainStep`` over the compiled ``StaticForward``;
+- ``train.static_step``: ``TrainStep`` over the compiled ``StaticForward`` (with several
+  processes the step averages the gradients itself: the forward bypasses DDP);
 - ``train.cuda_graphs``: ``GraphedTrainStep``, the static step with its SGD step and
   the non-finite guard captured in a CUDA graph.
 """
@@ -36,4 +37,5 @@ def build_train_step(cfg: Config, model: nn.Module, model_without_ddp: nn.Module
     forward = static_forward(cfg, model_without_ddp, world_size, eager=eager_static)
     if cfg.train.cuda_graphs and forward is not None:
         return GraphedTrainStep(forward, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, capture=not eager_static)
-    return TrainStep(model, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, world_size, forward=forward)
+    return TrainStep(model, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, world_size, forward=forward,
+                     average_gradients=forward is not None and world_size > 1)
