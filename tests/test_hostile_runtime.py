@@ -14,6 +14,7 @@ One mechanism per class:
 from __future__ import annotations
 
 import copy
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,10 @@ def first_error(cfg, num_workers: int) -> BaseException:
 def test_worker_error_is_the_same_line_as_without_workers(shapes_root, broken_image, tmp_path):
     cfg = tiny_config(shapes_root, tmp_path / "run", "data.persistent_workers=false")
     plain = first_error(cfg, 0)
+    children = set(multiprocessing.active_children())
     workers = first_error(cfg, 2)
+    # The workers stopped with the error (not when the exception is collected, 5 s each).
+    assert set(multiprocessing.active_children()) <= children
     assert isinstance(plain, (DataError, FileNotFoundError)) and broken_image.name in str(plain)
     assert type(workers) is type(plain)
     assert str(workers) == str(plain) and "\n" not in str(workers)

@@ -198,6 +198,15 @@ def unwrap_worker_error(exc: BaseException) -> Optional[BaseException]:
     return None
 
 
+def _stop_workers(iterator: Iterator[Any]) -> None:
+    """Stop a multi-process iterator's workers now (a no-op without workers). The
+    exception being raised keeps the iterator alive through its traceback; stopped later,
+    by the garbage collector, each worker waited out its 5 s join timeout."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 class DetectionDataLoader(DataLoader):
     """A ``DataLoader`` whose workers' errors read as without workers
     (``unwrap_worker_error``), and that turns a worker killed by a shared-memory bus
@@ -214,6 +223,7 @@ class DetectionDataLoader(DataLoader):
             except StopIteration:
                 return
             except Exception as exc:  # noqa: BLE001 - re-raised, unwrapped where a worker raised it
+                _stop_workers(iterator)
                 unwrapped = unwrap_worker_error(exc)
                 if unwrapped is not None:
                     raise unwrapped from exc
