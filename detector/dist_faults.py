@@ -25,7 +25,8 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from detector.messages import first_line
+from detector.cli import report_error
+from detector.messages import DetectorError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -175,3 +176,16 @@ def wake_stopped_peers(info: Any) -> List[int]:
         logger.warning("rank %d: sent SIGCONT to the stopped rank(s) %s so that they end too", info.rank,
                        ", ".join(map(str, woken)))
     return woken
+
+
+def report_lost_rank(exc: RuntimeError, info: Any) -> Optional[int]:
+    """A tool's ``except RuntimeError``: when ``exc`` is a collective failing because another
+    rank ended or did not answer (``lost_rank_message``), print that one line, wake the
+    stopped peers (``wake_stopped_peers``) and return exit status 1; None for any other
+    error, which the tool re-raises."""
+    message = None if isinstance(exc, DetectorError) else lost_rank_message(exc, info)
+    if message is None:
+        return None
+    status = report_error(exc, line=message)
+    wake_stopped_peers(info)  # a stopped rank cannot end otherwise
+    return status

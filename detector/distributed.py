@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 from detector.config import AMPConfig, ConfigError
-from detector.dist_faults import lost_rank_message, wake_stopped_peers, watch  # noqa: F401
+from detector.dist_faults import lost_rank_message, report_lost_rank, wake_stopped_peers, watch  # noqa: F401
 from detector.messages import DetectorError
 
-# lost_rank_message, wake_stopped_peers and watch live in detector.dist_faults; re-exported for the tools.
+# lost_rank_message, report_lost_rank, wake_stopped_peers and watch live in detector.dist_faults; re-exported
+# for the tools.
 
 
 BACKENDS = ("auto", "nccl", "gloo")

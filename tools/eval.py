@@ -28,10 +28,9 @@ from typing import List, Optional
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import report_error, run_tool  # noqa: E402
+from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.files import output_folder  # noqa: E402
-from detector.messages import DetectorError  # noqa: E402
 
 logger = logging.getLogger("detector.tools.eval")
 
@@ -124,7 +123,7 @@ def run_model(args: argparse.Namespace) -> int:
     """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
     from detector.data import build_dataset, resolve_num_classes
     from detector.modeling.weights import load_model_weights
-    from detector.distributed import cleanup, init_distributed, lost_rank_message, wake_stopped_peers
+    from detector.distributed import cleanup, init_distributed, report_lost_rank
     from detector.engine.log import setup_logging
     from detector.evaluation import evaluate
     from detector.modeling import build_model
@@ -149,11 +148,9 @@ def run_model(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         # Another rank ended, or did not answer within train.dist_timeout_s: one line naming
         # it, as tools/train.py does. Any other RuntimeError goes on up.
-        message = None if isinstance(exc, DetectorError) else lost_rank_message(exc, info)
-        if message is None:
+        status = report_lost_rank(exc, info)
+        if status is None:
             raise
-        status = report_error(exc, line=message)
-        wake_stopped_peers(info)  # a stopped rank cannot end otherwise
         return status
     finally:
         cleanup()

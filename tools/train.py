@@ -20,13 +20,12 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import report_error, run_tool  # noqa: E402
+from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector import distributed  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
 from detector.engine.run_folder import RunFolder, check_output_dir, check_run_folder_apart_from_data  # noqa: E402
 from detector.engine.trainer import train  # noqa: E402
-from detector.messages import DetectorError  # noqa: E402
 
 logger = logging.getLogger("detector.tools.train")
 
@@ -95,11 +94,9 @@ def run(args: argparse.Namespace) -> int:
             result = train(cfg, resume=args.resume, dist_info=info, run_folder=folder)
     except RuntimeError as exc:
         # A peer process died: one line naming it. Any other RuntimeError goes on up.
-        message = None if isinstance(exc, DetectorError) else distributed.lost_rank_message(exc, info)
-        if message is None:
+        status = distributed.report_lost_rank(exc, info)
+        if status is None:
             raise
-        status = report_error(exc, line=message)
-        distributed.wake_stopped_peers(info)  # a stopped rank cannot end otherwise
         return status
     finally:
         distributed.cleanup()
