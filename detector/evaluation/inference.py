@@ -355,7 +355,8 @@ def predict_image(
         "scale": torch.tensor([new_w / w, new_h / h], dtype=torch.float32),
         "orig_size": torch.tensor([h, w]),
     }
-    out = _forward(net, [tensor.to(model_device(net))], [(h, w)], tta)[0]
+    # (the model moves the image to its device; TTA resizes it on the CPU first)
+    out = _forward(net, [tensor], [(h, w)], tta)[0]
     keep = out["scores"] >= score_thresh
     return {
         "boxes": to_original_boxes(out["boxes"][keep], target),
