@@ -17,7 +17,7 @@ from detector.config import load_config
 from detector.data import CocoDetection, VOCDetection
 from detector.data.check import check_dataset
 from detector.data.files import DataError
-from detector.data.schema import read_coco
+from detector.data.schema import raise_error, read_coco
 
 IMAGE = '{"id": 10, "file_name": "a.jpg", "width": 40, "height": 30}'
 CATEGORY = '{"id": 1, "name": "cat"}'
@@ -158,6 +158,27 @@ def test_bad_top_level_is_one_named_line(tmp_path, name):
         CocoDetection(img_dir, ann)
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith(f"annotation file {ann}") and re.search(message, msg), msg
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
+def test_coco_file_with_a_byte_order_mark_or_in_utf16_reads_as_utf8(tmp_path, encoding):
+    """A UTF-8 byte-order mark (Windows editors) or UTF-16/32 text reads as the UTF-8
+    file does (as Python's ``json`` reads bytes), a non-ASCII file name included."""
+    text = coco_text(image=IMAGE.replace('"a.jpg"', '"caf\u00e9 \u732b.jpg"'))
+    img_dir, ann = write(tmp_path, text)
+    plain = read_coco(str(ann), raise_error)
+    ann.write_bytes(text.encode(encoding))
+    assert ann.read_bytes() != text.encode()
+    other = read_coco(str(ann), raise_error)
+    assert other == plain and other.images[0].file_name == "caf\u00e9 \u732b.jpg"
+    assert CocoDetection(img_dir, ann).records[0].ann_ids.tolist() == [5]
+
+
+def test_coco_file_that_is_not_text_in_its_encoding_is_one_line(tmp_path):
+    img_dir, ann = write(tmp_path, "")
+    ann.write_bytes(coco_text().encode("utf-16") + b"\x00")  # an odd byte count
+    with pytest.raises(DataError, match=r"^annotation file .*instances\.json is not valid utf-16 text \(truncated data"):
+        CocoDetection(img_dir, ann)
 
 
 def test_annotation_file_that_is_a_directory(tmp_path):

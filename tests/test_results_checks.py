@@ -125,6 +125,18 @@ def test_reading_a_results_file_keeps_every_record_and_names_the_global_index(ca
         read_results_file(path)
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
+def test_results_file_with_a_byte_order_mark_or_in_utf16_reads_as_utf8(case, tmp_path, encoding):
+    _, _, dets = case
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(dets))
+    plain = read_results_file(path)
+    path.write_bytes(json.dumps(dets).encode(encoding))
+    other = read_results_file(path)
+    np.testing.assert_array_equal(other.bbox, plain.bbox)
+    np.testing.assert_array_equal(other.score, plain.score)
+
+
 @pytest.mark.parametrize("backend", ["pycocotools", "faster"])
 def test_large_file_path_equals_pycocotools(tmp_path, backend, monkeypatch):
     """The generator of the 2M benchmark at a tiny size, scored through the file path

@@ -258,13 +258,32 @@ def _line_col(raw: bytes, offset: int) -> Tuple[int, int]:
 
 
 def _read_bytes(path: str) -> bytes:
+    """The file's JSON text as UTF-8 bytes (``as_utf8``)."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            raw = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"annotation file not found: {path}") from None
     except OSError as exc:
         raise DataError(f"annotation file {path} cannot be read: {exc.strerror or exc}") from None
+    return as_utf8(raw, f"annotation file {path}")
+
+
+def as_utf8(raw: bytes, what: str) -> bytes:
+    """JSON text as UTF-8 bytes, as Python's ``json`` reads bytes: a UTF-8 byte-order mark
+    (which Windows editors write) is dropped, and UTF-16 or UTF-32 text (``json``'s own
+    detection, by BOM or by the zero bytes of its first characters) is transcoded.
+
+    Raises:
+        DataError: the bytes are not text in the detected encoding (``what`` names the file).
+    """
+    encoding = json.detect_encoding(raw)
+    if encoding == "utf-8":
+        return raw
+    try:
+        return raw.decode(encoding).encode("utf-8")
+    except UnicodeError as exc:
+        raise DataError(f"{what} is not valid {encoding} text ({exc.reason} at byte {exc.start})") from None
 
 
 _NON_FINITE = re.compile(rb"-?(Infinity|NaN)")

@@ -264,14 +264,15 @@ def load_json_file(path: str | Path, what: str) -> Any:
     """A JSON file parsed by ``json`` (``what`` names the file in the messages).
 
     Raises:
-        FileNotFoundError: no such file; ResultsError: unreadable, not UTF-8, or not
-        valid JSON (with the position).
+        FileNotFoundError: no such file; ResultsError: unreadable, not text (UTF-8, -16
+        or -32, as ``json`` detects it), or not valid JSON (with the position).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} file not found: {path}")
     try:
-        return json.loads(path.read_text())
+        # bytes: json detects UTF-8 (a byte-order mark dropped), UTF-16 and UTF-32 itself
+        return json.loads(path.read_bytes())
     except (OSError, UnicodeDecodeError) as exc:
         raise ResultsError(f"{path}: cannot read the {what} file: {exc}") from None
     except json.JSONDecodeError as exc:
