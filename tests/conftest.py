@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import pytest
 import torch
@@ -71,22 +71,28 @@ def tiny_config(data_root: PathLike, output_dir: Optional[PathLike] = None, *ext
     return load_config(TINY_CONFIG, tiny_overrides(data_root, output_dir, *extra))
 
 
-def signal_train_run(data_root: PathLike, output_dir: PathLike, sig: int,
-                     wait_s: float = 120) -> Tuple[subprocess.Popen, str, List[str]]:
+def signal_train_run(data_root: PathLike, output_dir: PathLike, sig: int, wait_s: float = 120,
+                     extra: Sequence[str] = (), group: bool = False) -> Tuple[subprocess.Popen, str, List[str]]:
     """``tools/train.py --config TINY_CONFIG`` (data under ``data_root``, run folder
-    ``output_dir``, ``solver.max_iter=1000``) in a subprocess, sent signal ``sig`` once
-    ``metrics.jsonl`` holds two records (waiting at most ``wait_s`` seconds).
+    ``output_dir``, the ``extra`` overrides, ``solver.max_iter=1000``) in a subprocess, sent
+    signal ``sig`` once ``metrics.jsonl`` holds two records (waiting at most ``wait_s``
+    seconds). ``group``: the process runs in a session of its own and the signal goes to
+    its whole process group, data loader workers included (as SLURM's ``scancel`` does).
 
     Returns ``(the ended process, its stdout and stderr, its argv)``; the last two argv
     items are ``solver.max_iter=1000 train.deterministic=false``."""
     args = [sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(TINY_CONFIG),
-            *tiny_overrides(data_root, output_dir), "solver.max_iter=1000", "train.deterministic=false"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            *tiny_overrides(data_root, output_dir), *extra, "solver.max_iter=1000", "train.deterministic=false"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=group)
     metrics = Path(output_dir) / "metrics.jsonl"
     deadline = time.time() + wait_s
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
         time.sleep(0.2)
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     stdout, _ = proc.communicate(timeout=120)
     return proc, stdout, args
 

@@ -250,6 +250,20 @@ def test_sigterm_mid_run_checkpoints_and_resumes(data_root, tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_process_group_with_loader_workers_checkpoints(data_root, tmp_path):
+    """SIGTERM to the whole process group (SLURM's scancel, ``timeout``), loader workers
+    included: the workers ignore it, so the main process stops at the iteration's end with
+    its checkpoint and one line (a worker killed by it made the main process raise
+    "DataLoader worker ... is killed by signal" mid-step: a traceback, no checkpoint)."""
+    out = tmp_path / "group"
+    proc, stdout, _ = signal_train_run(data_root, out, signal.SIGTERM, extra=["data.num_workers=2"], group=True)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout
+    assert "Traceback" not in stdout and "killed by signal" not in stdout
+    assert "interrupted by SIGTERM" in stdout
+    assert 2 <= load_checkpoint(out / "checkpoints" / "last.pth")["iteration"] < 1000
+
+
+@pytest.mark.slow
 def test_cli_errors_are_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), "--config", str(TINY_CONFIG),
                            f"train.output_dir={tmp_path}", "solver.lrr=0.1"], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -135,13 +135,23 @@ def collate_detection(batch: List[Tuple[torch.Tensor, Dict[str, Any]]]) -> Any:
 
 
 def worker_init_fn(worker_id: int, rank: int = 0) -> None:
-    """Seed ``random``, numpy and torch in a worker, and turn off OpenCV's thread pool.
+    """Seed ``random``, numpy and torch in a worker, turn off OpenCV's thread pool, and
+    ignore SIGTERM.
+
+    SIGTERM: a signal sent to the whole process group (SLURM's ``scancel`` and
+    preemption, ``timeout``, ``kill -TERM -PGID``) reaches the workers too. Killed by it,
+    a worker makes the main process raise "DataLoader worker ... is killed by signal"
+    from wherever it is, before its own handler can save a checkpoint; ignoring it, the
+    workers live on until the main process has stopped at the iteration's end and shuts
+    them down. A worker still ends with its main process (torch's parent watchdog), and
+    SIGKILL still kills it.
 
     The seed is torch's per-worker seed (``base_seed + worker_id``, drawn from the loader's
     generator), mixed with the rank. The augmentation does not use these generators (its
     random numbers come from each sample's ``SampleKey``); they only keep any other random
     code in a worker reproducible and different across workers and ranks.
     """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     seed = (torch.initial_seed() + 1_000_003 * rank) % 2**32
     random.seed(seed)
     np.random.seed(seed)
