@@ -6,6 +6,7 @@ names confined to a root folder. Every failure is one line naming the file.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional, Tuple
 
@@ -21,6 +22,32 @@ EXIF_ORIENTATION_TAG = 0x0112
 class DataError(DetectorError, ValueError):
     """Bad input data (annotation file, image file, or a data set empty after filtering)."""
 
+
+
+def read_json_bytes(path: str, what: str) -> bytes:
+    """The JSON text of file ``path`` as UTF-8 bytes, as Python's ``json`` reads bytes: a
+    UTF-8 byte-order mark (which Windows editors write) is dropped, and UTF-16 or UTF-32
+    text (``json.detect_encoding``: by BOM or by the zero bytes of the first characters)
+    is transcoded. ``what`` names the file in the messages ("annotation file").
+
+    Raises:
+        FileNotFoundError: no such file.
+        DataError: unreadable, or not text in the detected encoding.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} not found: {path}") from None
+    except OSError as exc:
+        raise DataError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+    encoding = json.detect_encoding(raw)
+    if encoding == "utf-8":
+        return raw
+    try:
+        return raw.decode(encoding).encode("utf-8")
+    except UnicodeError as exc:
+        raise DataError(f"{what} {path} is not valid {encoding} text ({exc.reason} at byte {exc.start})") from None
 
 
 def to_rgb8(img: Image.Image, what: str) -> np.ndarray:

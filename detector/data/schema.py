@@ -37,7 +37,7 @@ from typing import Annotated, Any, Callable, List, Literal, Optional, Tuple, Uni
 
 import msgspec
 
-from .files import DataError
+from .files import DataError, read_json_bytes
 
 MAX_NUMBER = 1e300  # finite numbers only (1e309 reads as infinity)
 MAX_SIDE = 2**31 - 1  # image width / height, pixels
@@ -257,35 +257,6 @@ def _line_col(raw: bytes, offset: int) -> Tuple[int, int]:
     return line, offset - (raw.rfind(b"\n", 0, offset) + 1) + 1
 
 
-def _read_bytes(path: str) -> bytes:
-    """The file's JSON text as UTF-8 bytes (``as_utf8``)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"annotation file not found: {path}") from None
-    except OSError as exc:
-        raise DataError(f"annotation file {path} cannot be read: {exc.strerror or exc}") from None
-    return as_utf8(raw, f"annotation file {path}")
-
-
-def as_utf8(raw: bytes, what: str) -> bytes:
-    """JSON text as UTF-8 bytes, as Python's ``json`` reads bytes: a UTF-8 byte-order mark
-    (which Windows editors write) is dropped, and UTF-16 or UTF-32 text (``json``'s own
-    detection, by BOM or by the zero bytes of its first characters) is transcoded.
-
-    Raises:
-        DataError: the bytes are not text in the detected encoding (``what`` names the file).
-    """
-    encoding = json.detect_encoding(raw)
-    if encoding == "utf-8":
-        return raw
-    try:
-        return raw.decode(encoding).encode("utf-8")
-    except UnicodeError as exc:
-        raise DataError(f"{what} is not valid {encoding} text ({exc.reason} at byte {exc.start})") from None
-
-
 _NON_FINITE = re.compile(rb"-?(Infinity|NaN)")
 
 
@@ -357,7 +328,7 @@ def read_coco(path: str, on_error: OnError, file_type: type = CocoFile) -> Any:
         DataError: unreadable, not JSON, nested too deep, or a bad top level (a missing
             ``images`` / ``categories``, ``"annotations": null``).
     """
-    raw = _read_bytes(path)
+    raw = read_json_bytes(path, "annotation file")
     try:
         return msgspec.json.decode(raw, type=file_type, strict=True)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
@@ -379,7 +350,7 @@ def load_coco_json(path: str, file_type: type = CocoFile) -> dict:
     """
     path = str(path)
     read_coco(path, raise_error, file_type)
-    raw = _read_bytes(path)
+    raw = read_json_bytes(path, "annotation file")
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError:  # a NaN in a field the project does not read
