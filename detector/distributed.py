@@ -29,7 +29,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -357,15 +357,17 @@ def reduce_dict(values: Dict[str, torch.Tensor], average: bool = True,
     return dict(zip(names, stacked))
 
 
-def _by_dtype(tensors: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+def _flat_in_place(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
+    """Run ``collective`` (in place) once per dtype on the flat concatenation of
+    ``tensors`` and copy the result back into them."""
     groups: Dict[torch.dtype, List[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
-    return list(groups.values())
-
-
-def _unflatten_into(flat: torch.Tensor, group: Sequence[torch.Tensor]) -> None:
-    torch._foreach_copy_(list(group), [piece.view_as(t) for t, piece in zip(group, flat.split([t.numel() for t in group]))])
+    for group in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        collective(flat)
+        pieces = flat.split([t.numel() for t in group])
+        torch._foreach_copy_(group, [piece.view_as(t) for t, piece in zip(group, pieces)])
 
 
 @torch.no_grad()
@@ -377,13 +379,12 @@ def all_reduce_mean_(tensors: Sequence[torch.Tensor], world_size: int) -> None:
     buffer (one extra copy of them), all-reduced once per dtype, divided by
     ``world_size`` and copied back: the mean DDP computes, without its buckets and
     without overlapping the backward pass. A no-op for ``world_size <= 1``."""
-    if world_size <= 1 or not tensors:
-        return
-    for group in _by_dtype(tensors):
-        flat = torch.cat([t.reshape(-1) for t in group])
+    def mean(flat: torch.Tensor) -> None:
         dist.all_reduce(flat)
         flat.div_(world_size)
-        _unflatten_into(flat, group)
+
+    if world_size > 1 and tensors:
+        _flat_in_place(tensors, mean)
 
 
 @torch.no_grad()
@@ -391,12 +392,8 @@ def broadcast_(tensors: Sequence[torch.Tensor], world_size: int, src: int = 0) -
     """Overwrite ``tensors`` on every rank with rank ``src``'s, in place, one broadcast per
     dtype of their flat concatenation (DDP's ``broadcast_buffers`` for a model's buffers,
     e.g. BatchNorm's running statistics). A no-op for ``world_size <= 1``."""
-    if world_size <= 1 or not tensors:
-        return
-    for group in _by_dtype(tensors):
-        flat = torch.cat([t.reshape(-1) for t in group])
-        dist.broadcast(flat, src)
-        _unflatten_into(flat, group)
+    if world_size > 1 and tensors:
+        _flat_in_place(tensors, lambda flat: dist.broadcast(flat, src))
 
 
 def seed_everything(seed: int, rank: int = 0) -> int:
