@@ -13,6 +13,9 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
   synthetic batches at 800x1333): the CUDA-graph step, the static step, the eager step
   (AMP bfloat16 and float16), 2 and 8 images per step, the compiled backbone;
 - R50-FPN 1x inference with ``eval.amp`` against torchvision;
+- the R50-FPN 1x recipe's training loader alone (``--task data``: decode, multi-scale
+  resize, flip, collate; the recipe's 4 workers) on generated JPEGs of COCO's sizes, to
+  set its images/s beside the step's;
 - ``--task static-check`` on the demo config (graph breaks, recompiles, host syncs);
 - the demo (``make demo``'s training) on the GPU, eager and with the CUDA-graph step,
   for the accuracy goal (their final AP).
@@ -100,6 +103,20 @@ def _demo(name: str, limit_s: int, *overrides: str) -> Run:
     return Run(name, "train", args, limit_s, DEMO, overrides, parallel=True)
 
 
+def _loader(name: str, limit_s: int) -> Run:
+    """``tools/benchmark.py --task data`` with R50-FPN 1x's input recipe (shorter side
+    640-800, longer at most 1333, flips) and its ``data.num_workers``, on the generated
+    shapes set with COCO's image sizes (480-640 px a side), written under ``gpu-report/``."""
+    data = f"{OUT}/{name}-data"
+    overrides = ("train.device=cuda", "model.num_classes=3", "data.format=shapes",
+                 f"data.train.root={data}", f"data.val.root={data}", "data.train.split=train",
+                 "data.val.split=val", "data.shapes.num_train=96", "data.shapes.num_val=8",
+                 "data.shapes.min_side=480", "data.shapes.max_side=640")
+    json_file = f"{OUT}/{name}.json"
+    args = ("--config", R50, "--task", "data", "--iters", "300", "--warmup", "20", "--json", json_file, *overrides)
+    return Run(name, "benchmark", args, limit_s, R50, overrides, json_file)
+
+
 def plan() -> List[Run]:
     """Every run: the checks of results side by side first, then the timed runs one at a
     time, the most wanted first (the budget may cut the tail)."""
@@ -118,6 +135,7 @@ def plan() -> List[Run]:
         _bench("train-r50-eager-fp16-2img", "train", 60, *FP16, two, iters=10, warmup=3),
         _bench("train-r50-graphs-bf16-8img", "train", 120, *GRAPHS, CANVAS_R50, *BF16, eight),
         _bench("infer-r50-eval-amp", "infer", 60, "eval.amp=true", iters=10, warmup=3),
+        _loader("data-r50-loader", 60),
         _bench("train-r50-compiled-backbone-bf16-2img", "train", 90, "train.compile_backbone=true", CANVAS_R50,
                *BF16, two, iters=10, warmup=3),
     ]
@@ -204,6 +222,9 @@ def figures(result: Dict) -> str:
         theirs = res.get("runs", {}).get("torchvision", {})
         return (f"ours {ours.get('images_per_s', float('nan')):.1f} img/s, torchvision "
                 f"{theirs.get('images_per_s', float('nan')):.1f} img/s, x{res['ratio_pairwise_median']:.2f} (pairwise)")
+    loader = res.get("runs", {}).get("loader")
+    if loader is not None:
+        return f"loader {loader['images_per_s']:.1f} img/s ({loader['num_workers']} workers)"
     keys = ("graph_breaks", "recompiles", "host_syncs_per_step", "max_loss_rel_diff")
     found = [f"{k}={res[k]:.3g}" if isinstance(res[k], float) else f"{k}={res[k]}" for k in keys if k in res]
     if result.get("AP") is not None:

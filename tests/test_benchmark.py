@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from detector.config import load_config
-from benchmarks import run_benchmark
+from benchmarks import gpu_check, run_benchmark
 from benchmarks.profiling import DENSE_OPS, profile_train_step
 from benchmarks.memory import peak_memory_bytes, reset_peak_memory
 from benchmarks.tasks import benchmark_eval
@@ -209,6 +209,10 @@ def test_data_task_json(tmp_path):
         # 12 records: the figure is noise-sized (tests/test_records.py holds the bound on 20k)
         assert all(records["worker_walk"][k]["growth_mib"] >= -64 for k in ("store", "list"))
         assert set(records["worker_walk"]) == {"store", "list"}
+    # make gpu-check's table reads this JSON (its loader run sets the rate beside the step's)
+    loader = result["runs"]["loader"]
+    assert gpu_check.figures({"result": result}) == (
+        f"loader {loader['images_per_s']:.1f} img/s ({load_config(TINY).data.num_workers} workers)")
 
 
 def test_data_task_records_file(tmp_path):

@@ -44,6 +44,11 @@ def test_the_plan_runs_what_the_issue_lists():
     assert runs["demo"].tool == runs["demo-graphs"].tool == "train"
     assert graphs <= set(runs["demo-graphs"].overrides)
     assert "static-check" in runs["static-check-demo"].args
+    # the loader at the recipe's input sizes and worker count, on images of COCO's sizes
+    loader = runs["data-r50-loader"]
+    assert loader.config == "configs/faster_rcnn_r50_fpn_1x_coco.yaml" and "data" in loader.args
+    assert not any(o.startswith(("input.", "data.num_workers")) for o in loader.overrides)
+    assert {"data.shapes.min_side=480", "data.shapes.max_side=640"} <= set(loader.overrides)
 
 
 def test_every_command_parses_and_every_config_loads():
