@@ -14,6 +14,7 @@ compared with the text shown.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -179,8 +180,14 @@ def _argv(text: str) -> List[str]:
     return argv
 
 
+@functools.lru_cache(maxsize=None)
+def _help(program: Tuple[str, ...]) -> subprocess.CompletedProcess:
+    """``program --help``, run once per program (a fresh interpreter costs seconds)."""
+    return _run([*program, "--help"], ROOT, {"PYTHONPATH": str(ROOT)})
+
+
 def _check_flags_in_help(program: List[str], argv: List[str], where: str) -> None:
-    proc = _run([*program, "--help"], ROOT, {"PYTHONPATH": str(ROOT)})
+    proc = _help(tuple(program))
     assert proc.returncode == 0, f"{where}: {program} --help failed: {proc.stderr[-2000:]}"
     for flag in [a.split("=")[0] for a in argv if a.startswith("--")]:
         assert flag in proc.stdout, f"{where}: {program[-1]} --help does not know {flag}"
