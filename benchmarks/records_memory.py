@@ -7,6 +7,9 @@
   after it reads every record (``get_annotation``), then after a full ``gc.collect()``;
   for the ``RecordStore`` and, as the control, the former layout of one ``ImageRecord``
   per image in a list;
+- ``worker_gc_growth``: what a loader worker's full ``gc.collect()`` makes private of
+  what it inherited, ``DetectionDataLoader`` (which freezes the parent's objects while
+  it forks) against torch's ``DataLoader``;
 - ``rank_tree_memory``: ``ranks`` processes, as the ranks of a DDP run on one machine,
   each parsing the file and reading every record of its shard through a ``DataLoader``
   of ``workers`` workers; the PSS of every rank and worker, summed (the machine's share).
@@ -31,6 +34,7 @@ import torch
 
 from detector.data.coco import CocoDetection
 from detector.data.dataset import DetectionDataset
+from detector.data.loader import DetectionDataLoader
 
 ROLLUP = "/proc/{pid}/smaps_rollup"
 
@@ -140,6 +144,27 @@ class _Annotations(torch.utils.data.Dataset):
         return len(self.dataset.get_annotation(i)["labels"])
 
 
+class _GcProbe(torch.utils.data.Dataset):
+    """One item, read in a loader worker: that worker's USS growth (KiB) over a full
+    ``gc.collect()``, i.e. the inherited pages the collector made private."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        before = memory_kib()["uss"]
+        gc.collect()
+        return memory_kib()["uss"] - before
+
+
+def worker_gc_growth(loader_class: type = DetectionDataLoader) -> float:
+    """MiB a forked worker of ``loader_class`` (``DetectionDataLoader``, or torch's
+    ``DataLoader`` as the control) makes private when it collects garbage, with this
+    process's objects as they are."""
+    loader = loader_class(_GcProbe(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    return next(iter(loader)) / 1024
+
+
 def _children(pid: int) -> List[int]:
     out: List[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -196,6 +221,8 @@ def benchmark_records(dataset: DetectionDataset, ann_file: Optional[str] = None,
         dataset = CocoDetection(image_dir, ann_file)
     out.update(images=len(dataset), boxes=dataset.records.num_boxes, store_mib=dataset.records.nbytes / 2**20)
     out["worker_walk"] = {layout: worker_walk(dataset, layout) for layout in ("store", "list")}
+    out["loader_worker_gc_mib"] = {"detector": worker_gc_growth(DetectionDataLoader),
+                                   "torch": worker_gc_growth(torch.utils.data.DataLoader)}
     if ann_file and ranks > 0:
         del dataset
         gc.collect()
@@ -215,6 +242,9 @@ def format_records(r: Dict[str, Any]) -> str:
     for layout, w in r["worker_walk"].items():
         lines.append(f"    worker reading every record ({layout}): USS +{w['growth_mib']:.1f} MiB "
                      f"(+{w['growth_with_gc_mib']:.1f} MiB after gc.collect), {w['walk_seconds']:.1f} s")
+    g = r["loader_worker_gc_mib"]
+    lines.append(f"    a loader worker's gc.collect(): USS +{g['detector']:.1f} MiB (torch's DataLoader: "
+                 f"+{g['torch']:.1f} MiB)")
     if "rank_tree" in r:
         t = r["rank_tree"]
         lines.append(f"    {t['ranks']} ranks x {t['workers_per_rank']} workers: PSS {t['total_pss_mib']:.0f} MiB in all; "
