@@ -8,6 +8,7 @@ Every ``tools/*.py`` ends its ``main`` with ``return run_tool(lambda: body(args)
   unwritable path, a bad value, a missing optional package) prints ``error: <its first
   line>`` on stderr and exits with status 1;
 - Ctrl-C (``KeyboardInterrupt``) prints ``error: <interrupted>`` and exits with 130;
+  SIGTERM prints ``error: stopped by SIGTERM ...`` and exits with 143 (``Terminated``);
 - anything else is a bug: the traceback is printed as usual.
 
 The traceback of an expected error goes to the ``detector`` logger at DEBUG level, which
@@ -18,8 +19,10 @@ the console does not show. Usage errors stay with argparse (status 2).
 from __future__ import annotations
 
 import logging
+import signal
 import sys
-from typing import Callable, Optional
+import threading
+from typing import Any, Callable, Optional
 
 from detector.messages import DetectorError, first_line
 
@@ -27,6 +30,7 @@ EXPECTED_ERRORS = (DetectorError, OSError, ValueError, ImportError)
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 logger = logging.getLogger("detector.cli")
 
@@ -41,9 +45,30 @@ def report_error(exc: BaseException, line: Optional[str] = None) -> int:
     return EXIT_ERROR
 
 
+class Terminated(BaseException):
+    """SIGTERM reached a tool (raised by ``run_tool``'s handler). A ``BaseException``, as
+    ``KeyboardInterrupt`` is, so that no ``except Exception`` swallows it and every
+    ``finally`` runs: a file being written is left out, not half written."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
 def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
     """Run a tool's ``body`` and return its exit status: ``body()``'s own, 1 after an
-    expected error (one line on stderr), 130 after Ctrl-C (``error: <interrupted>``)."""
+    expected error (one line on stderr), 130 after Ctrl-C (``error: <interrupted>``),
+    143 after SIGTERM (``error: stopped by SIGTERM ...``).
+
+    SIGTERM (``kill``, ``timeout``, a scheduler's cancel) raises ``Terminated`` in the
+    main thread while ``body`` runs, so the tool stops as after Ctrl-C: every file it
+    finished stays, the one it was writing (``detector.files.atomic_write``) is not left
+    half written. Training installs its own handler while it trains (a checkpoint, then
+    a clean stop: ``SignalHook``). The previous handler is restored on the way out.
+    """
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return body()
     except EXPECTED_ERRORS as exc:
@@ -51,3 +76,10 @@ def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
     except KeyboardInterrupt:
         print(f"error: {interrupted}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print("error: stopped by SIGTERM; the files already written are complete, none is left half written",
+              file=sys.stderr)
+        return EXIT_TERMINATED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

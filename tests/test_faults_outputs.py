@@ -11,7 +11,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -241,3 +244,35 @@ def test_infer_on_a_full_disk_leaves_no_partial_png(full_disk, weights, tmp_path
         assert not p.name.endswith(".tmp")
         with Image.open(p) as img:  # any PNG written is whole
             img.verify()
+
+
+def test_sigterm_to_a_tool_keeps_its_finished_outputs(tmp_path):
+    """``tools/infer.py`` over 200 images, sent SIGTERM once its first picture is out:
+    exit status 143 and one line, no traceback; every picture in the folder is a whole
+    PNG and no temporary file is left (what the user keeps: the pictures finished)."""
+    from detector.config import load_config
+    from detector.modeling import build_model
+
+    torch.manual_seed(0)
+    torch.save(build_model(load_config(TINY_CPU, SMALL)).state_dict(), tmp_path / "w.pth")
+    inputs, out = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        Image.fromarray(rng.integers(0, 255, (96, 128, 3), dtype=np.uint8)).save(inputs / f"im{i:03d}.jpg")
+    argv = [sys.executable, str(ROOT / "tools" / "infer.py"), "--config", str(TINY_CPU), "--weights",
+            str(tmp_path / "w.pth"), "--input", str(inputs), "--output-dir", str(out), *SMALL]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.is_dir() and any(out.glob("*.png"))) and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-2000:]
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
+    pngs = sorted(out.glob("*.png"))
+    assert 1 <= len(pngs) < 200
+    for png in pngs:
+        with Image.open(png) as im:
+            im.verify()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]

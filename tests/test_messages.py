@@ -77,3 +77,31 @@ def test_run_tool_lets_bugs_through():
         run_tool(_raise(KeyError("boxes")))
     with pytest.raises(RuntimeError):
         run_tool(_raise(RuntimeError("CUDA error: an illegal memory access")))
+
+
+def test_run_tool_sigterm_keeps_finished_files_and_leaves_no_partial_one(tmp_path, capsys):
+    """SIGTERM while a tool writes its second file: status 143, one line, the first file
+    whole, the second neither present nor left as a temporary file, the handler restored."""
+    import os
+    import signal
+
+    from detector.files import atomic_write, write_text
+
+    def body():
+        write_text(tmp_path / "first.json", '{"done": true}')
+
+        def writer(f):
+            f.write("half of it")
+            os.kill(os.getpid(), signal.SIGTERM)
+            f.write(" and the rest")  # not reached: the handler raised
+
+        atomic_write(tmp_path / "second.json", writer, mode="w")
+        return 0
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_tool(body) == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    err = capsys.readouterr().err
+    assert err.startswith("error: stopped by SIGTERM") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first.json"]
+    assert (tmp_path / "first.json").read_text() == '{"done": true}'
