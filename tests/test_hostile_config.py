@@ -62,6 +62,17 @@ def test_base_that_is_not_a_file_name(train_tool, capsys, tmp_path, base):
     assert str(cfg) in line and "'base:' names one config file" in line
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "# solver: {lr: 0.1}\n# model: {num_classes: 3}\n", "~\n"],
+                         ids=["empty", "blank", "comments_only", "null"])
+def test_config_file_without_settings_is_refused(train_tool, capsys, tmp_path, text):
+    """An empty file is more likely one that failed to save than a wish for every default
+    (the R50-FPN COCO recipe's); ``{}`` still means every default."""
+    cfg = write(tmp_path / "empty.yaml", text)
+    line = run_train(train_tool, capsys, cfg, output_dir=tmp_path / "run")
+    assert str(cfg) in line and "holds no settings" in line and "write {}" in line
+    assert load_config(write(tmp_path / "defaults.yaml", "{}\n")) == load_config(None)
+
+
 @pytest.mark.parametrize("text", [
     "solver: " + "[" * 5000 + "]" * 5000 + "\n",
     "solver:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 5000)),

@@ -36,11 +36,14 @@ def _read_yaml(path: Path, seen: Tuple[Path, ...] = ()) -> List[Tuple[dict, str]
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = load_yaml(path.read_text()) or {}
+        data = load_yaml(path.read_text())
     except YAMLRefused as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}".replace("\n", " ")) from None
+    if data is None:  # more likely a file that failed to save than a wish for every default
+        raise ConfigError(f"{path}: the config file holds no settings (empty, or comments only); "
+                          "write {} in it to train with every default")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     base = data.pop("base", None)
