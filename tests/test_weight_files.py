@@ -123,10 +123,10 @@ def test_tools_bad_weights_one_line(tool_setup, tool, case, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tool", ["eval", "infer"])
-@pytest.mark.parametrize("case", ["random", "object"])
+@pytest.mark.parametrize("tool, case", [("eval", "random"), ("infer", "object")])
 def test_tools_bad_weights_one_line_subprocess(tool_setup, tool, case):
-    """The two cases where torch's own message suggests ``weights_only=False``."""
+    """The two cases where torch's own message suggests ``weights_only=False``, each from
+    a real process of one tool (every tool and case runs in process above)."""
     root, overrides, image, files = tool_setup
     path, words = files[case]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
