@@ -198,3 +198,26 @@ def test_one_host_sync_per_step_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+@pytest.mark.parametrize("poison", [float("nan"), 1.0])
+def test_a_skipped_first_step_does_not_warn_of_the_scheduler_order(poison, recwarn):
+    """A first iteration that is skipped (a NaN; a float16 scale that overflows, as the
+    scaler's calibration often does at the start) still steps the schedule, without
+    torch's warning that the first LR value was skipped (it was not). The warning stays
+    for the real misuse, a scheduler stepped by hand first."""
+    torch.manual_seed(0)
+    model = TwoLosses()
+    model.poison = poison
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40 if poison == 1.0 else 1.0,
+                                  enabled=poison == 1.0)
+    amp = AmpSettings(True, torch.float16) if poison == 1.0 else AmpSettings()
+    out = TrainStep(model, opt, sched, amp, scaler=scaler)(*batch(0))
+    assert out.skipped and sched.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+    opt2 = torch.optim.SGD(TwoLosses().parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1)
+    with pytest.warns(UserWarning, match="before `optimizer.step\\(\\)`"):
+        sched2.step()

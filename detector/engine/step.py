@@ -35,6 +35,7 @@ all-reduce with the backward pass is lost.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -227,10 +228,27 @@ class TrainStep:
             # A float16 overflow of the gradients lowers the scale (on the device); a
             # non-finite loss is no scale problem: the scale and its growth count stay.
             self.scaler.update(self.scaler.get_scale() if nonfinite else None)
-        self.scheduler.step()
+        step_scheduler(self.scheduler, skipped)
         losses = torch.cat([total.reshape(1), parts])
         return StepResult(losses, ("total_loss", *names), grad_norm.detach(), skipped, nonfinite, stop, stats,
                           stat_names)
+
+
+# torch's warning when a scheduler's first step comes before any optimizer step.
+_SCHEDULER_FIRST_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
+def step_scheduler(scheduler: Any, skipped: bool) -> None:
+    """``scheduler.step()``: the schedule counts iterations, skipped ones included. A
+    skipped first iteration (a float16 scale that overflows, a NaN) would make torch warn
+    that the scheduler stepped before the optimizer and "skips the first value of the
+    schedule", which is not so here: that warning is silenced for a skipped step only."""
+    if not skipped:
+        scheduler.step()
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SCHEDULER_FIRST_WARNING, category=UserWarning)
+        scheduler.step()
 
 
 @torch.no_grad()
