@@ -270,6 +270,17 @@ VOC_CASES = {
     "difficult_two": ({"obj": box(extra="<difficult>2</difficult>")}, "object[0].difficult: expected 0 or 1, got \"2\""),
     "truncated_yes": ({"obj": box(extra="<truncated>yes</truncated>")},
                       "object[0].truncated: expected 0 or 1, got \"yes\""),
+    # an element that holds one value, given twice: which one counts would be a guess
+    "two_bndbox": ({"obj": box() + "<bndbox><xmin>1</xmin><ymin>1</ymin><xmax>9</xmax><ymax>9</ymax></bndbox>"},
+                   "object[0] has 2 <bndbox> elements; one is expected"),
+    "two_names": ({"obj": "<name>dog</name>" + box()}, "object[0] has 2 <name> elements; one is expected"),
+    "two_xmin": ({"obj": box(xmin="2</xmin><xmin>5")}, "object[0].bndbox has 2 <xmin> elements; one is expected"),
+    "two_difficult": ({"obj": box(extra="<difficult>0</difficult><difficult>1</difficult>")},
+                      "object[0] has 2 <difficult> elements; one is expected"),
+    "two_widths": ({"size": "<width>40</width><width>50</width><height>30</height>"},
+                   "size has 2 <width> elements; one is expected"),
+    "two_sizes": ({"size": "<width>40</width><height>30</height></size><size><width>4</width><height>3</height>"},
+                  "the annotation has 2 <size> elements; one is expected"),
 }
 
 
@@ -283,6 +294,22 @@ def test_voc_field_of_wrong_type_is_one_named_line(tmp_path, name):
     assert "\n" not in msg
     assert msg == f"VOC annotation file {root / 'Annotations' / '000001.xml'}: {reason}" or (
         reason.endswith("out of range") and msg.startswith(f"VOC annotation file {root}") and reason in msg), msg
+
+
+def test_voc_entity_expansion_is_bounded_and_external_entities_are_not_read(tmp_path):
+    """A "billion laughs" file (nine levels of ten entities each) and an external
+    entity naming a local file: each is one "not valid XML" line, quickly, and the
+    file's content never reaches the data set."""
+    lol = '<!ENTITY l0 "lol">' + "".join(f'<!ENTITY l{i} "{f"&l{i - 1};" * 10}">' for i in range(1, 10))
+    secret = tmp_path / "secret.txt"
+    secret.write_text("cat")
+    for name, doctype, ref, words in [("laughs", lol, "&l9;", "amplification"),
+                                      ("external", f'<!ENTITY x SYSTEM "{secret.as_uri()}">', "&x;", "undefined entity")]:
+        root = voc_root(tmp_path / name, obj=box().replace("<name>cat</name>", f"<name>{ref}</name>"),
+                        declaration=f"<!DOCTYPE annotation [{doctype}]>")
+        with pytest.raises(DataError, match=rf"^VOC annotation file .*000001\.xml is not valid XML: .*{words}") as info:
+            VOCDetection(root, "train")
+        assert "\n" not in str(info.value)
 
 
 def test_voc_flags_read_as_zero_or_one(tmp_path):

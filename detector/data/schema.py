@@ -1,5 +1,6 @@
 """The record types of COCO instances JSON and PASCAL VOC XML, declared once, and the
-readers that check every file against them field by field (``msgspec``).
+readers that check every file against them field by field (``msgspec``; the VOC XML
+reader, ``read_voc_xml``, is in ``voc_xml.py``).
 
 The rules, the same for both formats:
 
@@ -31,8 +32,6 @@ from __future__ import annotations
 
 import json
 import re
-import xml.etree.ElementTree as ET
-from pathlib import Path
 from typing import Annotated, Any, Callable, List, Literal, Optional, Tuple, Union
 
 import msgspec
@@ -355,81 +354,3 @@ def load_coco_json(path: str, file_type: type = CocoFile) -> dict:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError:  # a NaN in a field the project does not read
         return json.loads(raw)
-
-
-# ---------------------------------------------------------------------------- VOC XML
-
-
-def _text(node: Optional[ET.Element], tag: str) -> Optional[str]:
-    child = node.find(tag) if node is not None else None
-    text = child.text.strip() if child is not None and child.text is not None else ""
-    return text or None
-
-
-def _fields(node: Optional[ET.Element], tags: Tuple[str, ...]) -> Optional[dict]:
-    """The non-empty texts of ``tags`` under ``node`` (None when ``node`` is missing)."""
-    if node is None:
-        return None
-    return {t: v for t in tags if (v := _text(node, t)) is not None}
-
-
-def _voc_object(obj: ET.Element) -> dict:
-    out = _fields(obj, ("name", "difficult", "truncated"))
-    box = _fields(obj.find("bndbox"), ("xmin", "ymin", "xmax", "ymax"))
-    if box is not None:
-        out["bndbox"] = box
-    return out
-
-
-def _parse_xml(xml_path: Path) -> ET.Element:
-    """The root element of ``xml_path``.
-
-    Raises:
-        FileNotFoundError: no such file.
-        DataError: unreadable (a folder, no permission), an unknown encoding, not XML.
-    """
-    try:
-        return ET.parse(xml_path).getroot()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"VOC annotation file not found: {xml_path}") from None
-    except OSError as exc:
-        raise DataError(f"VOC annotation file {xml_path} cannot be read: {exc.strerror or exc}") from None
-    except ET.ParseError as exc:
-        raise DataError(f"VOC annotation file {xml_path} is not valid XML: {exc}") from None
-    except (LookupError, ValueError) as exc:  # encoding="klingon", a multi-byte encoding expat lacks
-        raise DataError(f"VOC annotation file {xml_path} is not valid XML: {exc}") from None
-
-
-def read_voc_xml(xml_path: Path, on_error: OnError) -> Optional[VocFile]:
-    """Read and check one VOC annotation file against the declared types. Text fields
-    are converted (``"500"`` -> 500), so ``<width>inf</width>`` or ``<difficult>false``
-    are refused with the field's path.
-
-    Returns the file (a bad object reported through ``on_error`` and None in
-    ``objects``), or None after reporting a file-level problem: missing, unreadable,
-    not XML, a bad or missing ``<size>``.
-    """
-    where = f"VOC annotation file {xml_path}"
-    try:
-        node = _parse_xml(xml_path)
-    except (FileNotFoundError, DataError) as exc:
-        on_error(str(exc))
-        return None
-    size_fields = _fields(node.find("size"), ("width", "height"))
-    if size_fields is None:
-        on_error(f"{where} has no <size>")
-        return None
-    try:
-        size = msgspec.convert(size_fields, type=VocSize, strict=False)
-    except msgspec.ValidationError as exc:
-        on_error(f"{where}: {describe('size', exc, size_fields)}")
-        return None
-    objects: List[Optional[VocObject]] = []
-    for j, obj in enumerate(node.findall("object")):
-        entry = _voc_object(obj)
-        try:
-            objects.append(msgspec.convert(entry, type=VocObject, strict=False))
-        except msgspec.ValidationError as exc:
-            on_error(f"{where}: {describe(f'object[{j}]', exc, entry)}")
-            objects.append(None)
-    return VocFile(size=size, objects=objects)

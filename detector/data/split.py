@@ -37,7 +37,8 @@ import numpy as np
 
 from .coco import parse_coco
 from .dataset import Issues
-from .schema import load_coco_json, raise_error, read_voc_xml
+from .schema import load_coco_json, raise_error
+from .voc_xml import read_voc_xml
 from detector.files import write_text
 from detector.messages import DetectorError
 
@@ -203,7 +204,7 @@ def read_coco_images(ann_file: str | os.PathLike) -> tuple[LabelledImages, Dict[
 def read_voc_images(root: str | os.PathLike, split: Optional[str] = None) -> LabelledImages:
     """VOC ids and objects per class name: the ids of ``ImageSets/Main/<split>.txt``, or
     of every ``Annotations/*.xml`` when ``split`` is None. Every object counts (difficult
-    too). A missing, broken or badly typed XML file (see ``schema.read_voc_xml``) raises
+    too). A missing, broken or badly typed XML file (see ``voc_xml.read_voc_xml``) raises
     ``DataError`` naming it."""
     root = Path(root)
     if split:

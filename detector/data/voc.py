@@ -1,5 +1,5 @@
 """PASCAL VOC year folders (``VOCdevkit/VOC2007``): the split file, one XML per image
-(read and type-checked by ``schema.read_voc_xml``; see ``dataset.py`` for the bad-input
+(read and type-checked by ``voc_xml.read_voc_xml``; see ``dataset.py`` for the bad-input
 policy), and ``VOCDetection``."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
 from .files import DataError, path_within
-from .schema import VocObject, read_voc_xml
+from .schema import VocObject
+from .voc_xml import read_voc_xml
 
 logger = logging.getLogger(__name__)
 

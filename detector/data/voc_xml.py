@@ -1,0 +1,113 @@
+"""The PASCAL VOC XML reader: one annotation file against the types declared in
+``schema.py`` (``VocSize``, ``VocObject``, ``VocFile``), with ``schema.py``'s rules and
+messages. Besides those: an element that holds one value (``<size>``, an object's
+``<name>``, ``<bndbox>``, ``<xmin>``...) given twice is refused with its path rather than
+one of them kept silently; entity expansion is bounded by expat (a "billion laughs"
+file is "not valid XML"), and external entities are never fetched.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import msgspec
+
+from .files import DataError
+from .schema import OnError, VocFile, VocObject, VocSize, describe
+
+
+class _RepeatedTag(ValueError):
+    """A VOC element that holds one value given more than once (which would win is a guess)."""
+
+
+def _single(node: ET.Element, tag: str, path: str) -> Optional[ET.Element]:
+    """The one ``<tag>`` child of ``node`` (None if absent); ``_RepeatedTag`` naming
+    ``path`` when there are several."""
+    found = node.findall(tag)
+    if len(found) > 1:
+        raise _RepeatedTag(f"{path} has {len(found)} <{tag}> elements; one is expected")
+    return found[0] if found else None
+
+
+def _text(node: Optional[ET.Element], tag: str, path: str) -> Optional[str]:
+    child = _single(node, tag, path) if node is not None else None
+    text = child.text.strip() if child is not None and child.text is not None else ""
+    return text or None
+
+
+def _fields(node: Optional[ET.Element], tags: Tuple[str, ...], path: str) -> Optional[dict]:
+    """The non-empty texts of ``tags`` under ``node`` (None when ``node`` is missing)."""
+    if node is None:
+        return None
+    return {t: v for t in tags if (v := _text(node, t, path)) is not None}
+
+
+def _voc_object(obj: ET.Element, path: str) -> dict:
+    out = _fields(obj, ("name", "difficult", "truncated"), path)
+    box = _fields(_single(obj, "bndbox", path), ("xmin", "ymin", "xmax", "ymax"), f"{path}.bndbox")
+    if box is not None:
+        out["bndbox"] = box
+    return out
+
+
+def _parse_xml(xml_path: Path) -> ET.Element:
+    """The root element of ``xml_path``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        DataError: unreadable (a folder, no permission), an unknown encoding, not XML.
+    """
+    try:
+        return ET.parse(xml_path).getroot()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"VOC annotation file not found: {xml_path}") from None
+    except OSError as exc:
+        raise DataError(f"VOC annotation file {xml_path} cannot be read: {exc.strerror or exc}") from None
+    except ET.ParseError as exc:
+        raise DataError(f"VOC annotation file {xml_path} is not valid XML: {exc}") from None
+    except (LookupError, ValueError) as exc:  # encoding="klingon", a multi-byte encoding expat lacks
+        raise DataError(f"VOC annotation file {xml_path} is not valid XML: {exc}") from None
+
+
+def read_voc_xml(xml_path: Path, on_error: OnError) -> Optional[VocFile]:
+    """Read and check one VOC annotation file against the declared types. Text fields
+    are converted (``"500"`` -> 500), so ``<width>inf</width>`` or ``<difficult>false``
+    are refused with the field's path.
+
+    Returns the file (a bad object reported through ``on_error`` and None in
+    ``objects``), or None after reporting a file-level problem: missing, unreadable,
+    not XML, a bad or missing ``<size>``.
+    """
+    where = f"VOC annotation file {xml_path}"
+    try:
+        node = _parse_xml(xml_path)
+    except (FileNotFoundError, DataError) as exc:
+        on_error(str(exc))
+        return None
+    try:
+        size_fields = _fields(_single(node, "size", "the annotation"), ("width", "height"), "size")
+    except _RepeatedTag as exc:
+        on_error(f"{where}: {exc}")
+        return None
+    if size_fields is None:
+        on_error(f"{where} has no <size>")
+        return None
+    try:
+        size = msgspec.convert(size_fields, type=VocSize, strict=False)
+    except msgspec.ValidationError as exc:
+        on_error(f"{where}: {describe('size', exc, size_fields)}")
+        return None
+    objects: List[Optional[VocObject]] = []
+    for j, obj in enumerate(node.findall("object")):
+        try:
+            entry = _voc_object(obj, f"object[{j}]")
+            objects.append(msgspec.convert(entry, type=VocObject, strict=False))
+        except _RepeatedTag as exc:
+            on_error(f"{where}: {exc}")
+            objects.append(None)
+        except msgspec.ValidationError as exc:
+            on_error(f"{where}: {describe(f'object[{j}]', exc, entry)}")
+            objects.append(None)
+    return VocFile(size=size, objects=objects)
