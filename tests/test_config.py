@@ -163,3 +163,25 @@ def test_unknown_key_suggests_the_nearest_key_of_its_section(given, nearest):
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"{given}=1"])
     assert f"unknown config key '{given}' (did you mean '{nearest}'?)" in str(err.value)
+
+
+@pytest.mark.parametrize("groups, fpn", [(32, 64), (7, 64), (48, 64), (16, 96), (96, 96), (128, 64), (3, 96)])
+def test_group_norm_groups_are_checked_against_the_model(groups, fpn):
+    """``model.gn_groups`` is refused in one line naming it exactly when the network's
+    GroupNorm layers could not be built with it (the model itself is the reference)."""
+    from detector.modeling import build_model
+
+    keys = ["model.norm=gn", "model.backbone=resnet18", f"model.fpn_channels={fpn}"]
+    reference = load_config(TINY_CONFIG, keys)
+    reference.model.gn_groups = groups  # past the validation: what the model alone says
+    try:
+        build_model(reference)
+        builds = True
+    except ValueError:
+        builds = False
+    if builds:
+        assert load_config(TINY_CONFIG, [*keys, f"model.gn_groups={groups}"]).model.gn_groups == groups
+    else:
+        with pytest.raises(ConfigError, match=rf"^config key 'model.gn_groups' \({groups}\) must divide"):
+            load_config(TINY_CONFIG, [*keys, f"model.gn_groups={groups}"])
+    assert builds == (groups in (32, 16, 128)), (groups, fpn)  # both outcomes are exercised

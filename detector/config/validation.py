@@ -257,6 +257,13 @@ def _check_model_keys(cfg: Config) -> None:
         raise ConfigError("config key 'train.static_step' needs 'model.canvas_sizes' (the static step's batch shapes)")
     if cfg.train.cuda_graphs and not cfg.train.static_step:
         raise ConfigError("config key 'train.cuda_graphs' needs 'train.static_step: true'")
+    if model.norm == "gn":  # GroupNorm(min(groups, c), c) needs c divisible by its groups
+        widths = [64, 128, 256, 512] + ([1024, 2048] if model.backbone in ("resnet50", "resnet101") else [])
+        bad = sorted({c for c in (*widths, model.fpn_channels) if c % min(model.gn_groups, c)})
+        if bad:
+            raise ConfigError(f"config key 'model.gn_groups' ({model.gn_groups}) must divide the channels it "
+                              f"normalises ({model.backbone} and model.fpn_channels={model.fpn_channels}); it does "
+                              f"not divide {bad}")
     if not model.return_stages or any(s not in (1, 2, 3, 4) for s in model.return_stages):
         raise ConfigError(f"config key 'model.return_stages' takes stages from 1..4, got {model.return_stages}")
     n_levels = len(model.return_stages) + 1  # + the max-pool level
