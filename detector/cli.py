@@ -19,6 +19,7 @@ the console does not show. Usage errors stay with argparse (status 2).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -51,8 +52,13 @@ class Terminated(BaseException):
     ``finally`` runs: a file being written is left out, not half written."""
 
 
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(signal.Signals(signum).name)
+def one_of_several_ranks() -> bool:
+    """True in a process that a launcher started as one of several ranks (torchrun's
+    ``WORLD_SIZE``, or SLURM's ``SLURM_PROCID`` with ``SLURM_NTASKS``, as
+    ``detector.distributed`` reads them)."""
+    env = os.environ
+    world = env.get("WORLD_SIZE") or (env.get("SLURM_NTASKS") if "SLURM_PROCID" in env else None) or "1"
+    return world.strip().isdigit() and int(world) > 1
 
 
 def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
@@ -64,13 +70,27 @@ def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
     main thread while ``body`` runs, so the tool stops as after Ctrl-C: every file it
     finished stays, the one it was writing (``detector.files.atomic_write``) is not left
     half written. Training installs its own handler while it trains (a checkpoint, then
-    a clean stop: ``SignalHook``). The previous handler is restored on the way out.
+    a clean stop: ``SignalHook``). Once ``body`` has returned or raised, a SIGTERM is
+    ignored (the tool is ending), and the previous handler is restored on the way out.
+
+    Not in one of several ranks (``one_of_several_ranks``): there the launcher sends
+    SIGTERM to the survivors of a lost rank, and it must not replace the one line a rank
+    prints about that loss; SIGTERM keeps its default there, outside training's loop.
     """
+    armed = [True]
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if armed[0]:
+            raise Terminated(signal.Signals(signum).name)
+
     previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    if threading.current_thread() is threading.main_thread() and not one_of_several_ranks():
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        return body()
+        try:
+            return body()
+        finally:
+            armed[0] = False
     except EXPECTED_ERRORS as exc:
         return report_error(exc)
     except KeyboardInterrupt:

@@ -105,3 +105,37 @@ def test_run_tool_sigterm_keeps_finished_files_and_leaves_no_partial_one(tmp_pat
     assert err.startswith("error: stopped by SIGTERM") and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["first.json"]
     assert (tmp_path / "first.json").read_text() == '{"done": true}'
+
+
+def test_run_tool_sigterm_while_it_reports_an_error_changes_nothing(capsys):
+    """A SIGTERM that arrives once ``body`` has ended (here: while its error is being
+    printed, as torchrun's SIGTERM can reach a rank reporting a lost peer) neither raises
+    nor replaces the line: the tool ends with its own status."""
+    import os
+    import signal
+
+    class SignalledWhenPrinted(ValueError):
+        def __str__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return "bad value"
+
+    assert run_tool(_raise(SignalledWhenPrinted())) == 1
+    assert capsys.readouterr().err == "error: bad value\n"
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2"}, {"SLURM_PROCID": "1", "SLURM_NTASKS": "4"}])
+def test_run_tool_leaves_sigterm_alone_in_one_of_several_ranks(env, monkeypatch):
+    """Under a launcher of several ranks SIGTERM keeps its handler (the launcher's
+    SIGTERM must not replace a rank's report of a lost peer); alone, run_tool's is set."""
+    import signal
+
+    for key in ("WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+    assert run_tool(lambda: seen.append(signal.getsignal(signal.SIGTERM)) or 0) == 0
+    assert seen[0] is not before
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert run_tool(lambda: seen.append(signal.getsignal(signal.SIGTERM)) or 0) == 0
+    assert seen[1] is before and signal.getsignal(signal.SIGTERM) is before
