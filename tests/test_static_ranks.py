@@ -5,6 +5,7 @@ buffers; the collective helpers it uses; what stays refused."""
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ STATIC = ["train.static_step=true", "model.canvas_sizes=[[96,96]]", "data.max_gt
 
 def _init(rank: int, folder: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
 
 
 def _helpers_rank(rank: int, folder: str) -> None:
@@ -41,10 +43,14 @@ def _helpers_rank(rank: int, folder: str) -> None:
         buffers = [torch.full((2, 3), float(rank)), torch.tensor(10 + rank, dtype=torch.int64)]
         broadcast_(buffers, world_size=2)
         assert torch.equal(buffers[0], torch.zeros(2, 3)) and int(buffers[1]) == 10
+        # Both ranks done before either leaves: with torch 2.6's gloo, a rank that tore
+        # its group down after its peer had exited could wait for ever.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+@pytest.mark.dist
 def test_all_reduce_mean_and_broadcast_on_two_ranks(tmp_path):
     """Several shapes and dtypes in one call: the mean and rank 0's values, in place."""
     mp.spawn(_helpers_rank, args=(str(tmp_path),), nprocs=2, join=True)
@@ -105,6 +111,7 @@ def _static_ddp_rank(rank: int, folder: str) -> None:
         _sgd(trained).step()
         for (n, p), q in zip(model.named_parameters(), reference.parameters()):  # frozen ones included
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=lambda m: f"rank {rank}, {n}: {m}")
+        dist.barrier()  # both ranks done before either leaves (see _helpers_rank)
     finally:
         dist.destroy_process_group()
 
