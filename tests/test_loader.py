@@ -227,7 +227,8 @@ def test_a_workers_garbage_collection_leaves_the_parents_objects_shared():
     try:
         frozen = gc.get_freeze_count()
         worker_gc_growth(DetectionDataLoader)
-        assert gc.get_freeze_count() == frozen
+        # still frozen (objects freed meanwhile leave the count; an unfreeze would empty it)
+        assert gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
     del ballast
