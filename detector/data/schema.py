@@ -327,7 +327,11 @@ def read_coco(path: str, on_error: OnError, file_type: type = CocoFile) -> Any:
         DataError: unreadable, not JSON, nested too deep, or a bad top level (a missing
             ``images`` / ``categories``, ``"annotations": null``).
     """
-    raw = read_json_bytes(path, "annotation file")
+    return _typed_coco(read_json_bytes(path, "annotation file"), path, on_error, file_type)
+
+
+def _typed_coco(raw: bytes, path: str, on_error: OnError, file_type: type) -> Any:
+    """:func:`read_coco` on the file's bytes ``raw`` (``path`` names it in messages)."""
     try:
         return msgspec.json.decode(raw, type=file_type, strict=True)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
@@ -348,8 +352,8 @@ def load_coco_json(path: str, file_type: type = CocoFile) -> dict:
         FileNotFoundError, DataError: as :func:`read_coco`, and at the first bad entry.
     """
     path = str(path)
-    read_coco(path, raise_error, file_type)
-    raw = read_json_bytes(path, "annotation file")
+    raw = read_json_bytes(path, "annotation file")  # read once: checked, then decoded untyped
+    _typed_coco(raw, path, raise_error, file_type)
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError:  # a NaN in a field the project does not read
