@@ -1,16 +1,20 @@
 """``static_nms`` against ``torchvision.ops.nms``: the same boxes in the same order,
 padded, on random sets, ties, identical boxes, empty inputs, all-suppressed sets,
-long suppression chains and 3000-box clustered sets."""
+long suppression chains, 3000-box clustered sets, thresholds that equal an IoU
+(float32 and float64) and non-finite scores."""
 
 from __future__ import annotations
 
 from typing import List, Optional
 
+import math
+import struct
+
 import pytest
 import torch
-from torchvision.ops import nms
+from torchvision.ops import box_iou, nms
 
-from detector.modeling.nms import static_nms
+from detector.modeling.nms import _comparable_threshold, static_nms
 
 
 def reference(boxes: torch.Tensor, scores: torch.Tensor, thr: float, max_out: int,
@@ -118,3 +122,70 @@ def test_3000_clustered_boxes_match_torchvision():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="max_iters"):
         static_nms(torch.zeros(1, 2, 4), torch.zeros(1, 2), 0.5, 2, max_iters=0)
+
+
+def integer_boxes(gen: torch.Generator, num: int, dtype: torch.dtype) -> torch.Tensor:
+    """Small integer boxes: many pairs share an IoU, so thresholds can equal one."""
+    xy = torch.randint(0, 20, (num, 2), generator=gen)
+    wh = torch.randint(1, 12, (num, 2), generator=gen)
+    return torch.cat((xy, xy + wh), 1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_threshold_equal_to_an_iou_decides_as_torchvision(dtype):
+    # torchvision's CPU kernel compares the IoU with the double threshold: a float32
+    # IoU equal to float32(0.3) > 0.3 is suppressed although float32(0.3) > float32(0.3)
+    # is not; a float64 IoU must not be rounded to float32 first.
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(60):
+        boxes = integer_boxes(gen, 40, dtype)
+        scores = torch.randint(0, 5, (40,), generator=gen).to(dtype)  # ties too
+        ious = box_iou(boxes, boxes).flatten()
+        t = float(ious[int(torch.randint(0, ious.numel(), (1,), generator=gen))])
+        for thr in (t, math.nextafter(t, 0.0), math.nextafter(t, 1.0), 0.3, 0.7):
+            assert ours(boxes[None], scores[None], thr, 40) == reference(boxes[None], scores[None], thr, 40), thr
+    above = torch.tensor(0.3, dtype=torch.float32)  # float32(0.3) = 0.30000001...
+    boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0 * float(above), 10.0]], dtype=dtype)
+    scores = torch.tensor([[0.9, 0.8]], dtype=dtype)
+    assert ours(boxes[None], scores, 0.3, 2) == reference(boxes[None], scores, 0.3, 2)
+
+
+def test_float64_scores_are_ranked_without_rounding():
+    boxes = torch.tensor([[[0.0, 0.0, 10.0, 10.0], [1.0, 0.0, 11.0, 10.0]]], dtype=torch.float64)
+    scores = torch.tensor([[0.5, 0.5 + 1e-12]], dtype=torch.float64)  # equal in float32
+    assert ours(boxes, scores, 0.5, 2) == reference(boxes, scores, 0.5, 2) == [[1]]
+
+
+def test_non_finite_scores_rank_as_torchvision():
+    boxes = integer_boxes(torch.Generator().manual_seed(5), 12, torch.float32)[None]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        scores = torch.rand(1, 12, generator=torch.Generator().manual_seed(6))
+        scores[0, ::3] = bad
+        assert ours(boxes, scores, 0.4, 12) == reference(boxes, scores, 0.4, 12), bad
+
+
+@pytest.mark.parametrize("thr", [0.3, 0.5, 0.7, 1 / 3, 0.123456789])
+def test_the_threshold_is_compared_as_each_kernel_compares(thr):
+    nearest = struct.unpack("f", struct.pack("f", thr))[0]  # the CUDA kernel's float threshold
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        assert _comparable_threshold(thr, dtype, torch.device("cuda")) == nearest
+    below = _comparable_threshold(thr, torch.float32, torch.device("cpu"))
+    assert struct.unpack("f", struct.pack("f", below))[0] == below <= thr  # a float32, at most thr
+    following = torch.nextafter(torch.tensor(below), torch.tensor(2.0)).item()
+    assert following > thr  # the next float32 is above thr: x > below <=> x > thr
+    assert _comparable_threshold(thr, torch.float64, torch.device("cpu")) == thr
+
+
+@pytest.mark.gpu
+def test_cuda_matches_torchvision_cuda_at_thresholds_equal_to_an_iou():
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.float64):
+        for _ in range(30):
+            boxes = integer_boxes(gen, 40, dtype)
+            scores = torch.rand(40, generator=gen).to(dtype)  # no ties: CUDA's sort is not stable
+            ious = box_iou(boxes, boxes).flatten()
+            t = float(ious[int(torch.randint(0, ious.numel(), (1,), generator=gen))])
+            for thr in (t, math.nextafter(t, 0.0), 0.3):
+                want = nms(boxes.cuda(), scores.cuda(), thr).cpu().tolist()
+                res = static_nms(boxes[None].cuda(), scores[None].cuda(), thr, 40)
+                assert res.keep[0][res.valid[0]].cpu().tolist() == want, (dtype, thr)

@@ -9,7 +9,8 @@ training step that uses it compiles as one graph and can be captured in a CUDA g
 Method (a blocked Cluster-NMS, Zheng et al. 2021). Boxes are sorted by decreasing
 score with a stable sort (ties keep the lower input index first: torchvision's CPU
 order). ``S[i, j]`` (``i < j`` in that order) says that box ``i`` suppresses box ``j``
-(IoU > threshold, computed with torchvision's arithmetic). Greedy NMS keeps box ``j``
+(IoU > threshold, computed with torchvision's arithmetic and compared as its kernel
+for the device compares, ``_comparable_threshold``). Greedy NMS keeps box ``j``
 iff no kept box ``i < j`` has ``S[i, j]``: the unique fixed point of
 ``keep = f(keep)``, ``f(k)[j] = not any_i (k[i] and S[i, j])``. The sorted boxes are cut
 into blocks of ``block_size``, resolved in order:
@@ -33,6 +34,7 @@ sequential steps; lowering ``max_iters`` trades that for the ``unconverged`` che
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -70,6 +72,26 @@ def pairwise_iou(boxes: Tensor) -> Tensor:
     return box_iou_batched(boxes, boxes)
 
 
+def _comparable_threshold(iou_threshold: float, dtype: torch.dtype, device: torch.device) -> float:
+    """The threshold ``t'`` for which ``iou > t'`` on ``dtype`` IoUs decides as
+    torchvision's NMS kernel on ``device`` decides ``iou > iou_threshold``.
+
+    Its CPU kernel compares with the double ``t``: exact in float64, and for a float32
+    IoU ``x``, ``x > t`` exactly when ``x > t'``, ``t'`` the largest float32 <= ``t``
+    (a Python float compared with a float32 tensor is rounded to the nearest float32,
+    which differs when that rounds up, as 0.3 does, and ``x`` is that float). Its CUDA
+    kernel rounds ``t`` to the nearest float32 for every box dtype."""
+    if iou_threshold == 0 or not math.isfinite(iou_threshold):
+        return iou_threshold
+    mantissa, exponent = math.frexp(iou_threshold)  # t = m * 2**e, 0.5 <= |m| < 1
+    scaled = math.ldexp(mantissa, 24)  # float32 keeps 24 bits
+    if device.type == "cuda":
+        return math.ldexp(round(scaled), exponent - 24)
+    if dtype == torch.float32:
+        return math.ldexp(math.floor(scaled), exponent - 24)
+    return iou_threshold
+
+
 def _resolve_block(sup: Tensor, alive: Tensor, max_iters: int) -> tuple[Tensor, Tensor]:
     """Greedy NMS inside one block by Jacobi iterations.
 
@@ -96,7 +118,8 @@ def _greedy_keep(boxes: Tensor, valid: Tensor, iou_threshold: float, block_size:
     num = boxes.shape[1]
     order = torch.arange(num, device=boxes.device)
     upper = order[:, None] < order[None, :]  # i before j
-    sup = (pairwise_iou(boxes) > iou_threshold) & upper & valid[:, :, None]  # [B, N, N]
+    threshold = _comparable_threshold(iou_threshold, boxes.dtype, boxes.device)
+    sup = (pairwise_iou(boxes) > threshold) & upper & valid[:, :, None]  # [B, N, N]
     kept_blocks = []
     unconverged = torch.zeros(boxes.shape[0], dtype=torch.bool, device=boxes.device)
     for start in range(0, num, block_size):
@@ -130,8 +153,9 @@ def static_nms(
     docstring.
 
     Args:
-        boxes: ``[B, N, 4]`` x1y1x2y2, finite on valid entries.
-        scores: ``[B, N]``.
+        boxes: ``[B, N, 4]`` x1y1x2y2, finite on valid entries; IoUs are computed in
+            float32, or float64 for float64 boxes (torchvision: the boxes' own dtype).
+        scores: ``[B, N]``; ranked in float32, or float64 for float64 scores.
         iou_threshold: a box is suppressed by a kept box with IoU > this.
         max_out: slots per image in the result.
         max_iters: Jacobi iterations per block (>= 1).
@@ -150,10 +174,11 @@ def static_nms(
     if valid is None:
         valid = torch.ones(num_images, num, dtype=torch.bool, device=device)
     # Invalid entries go last; ties in score keep the input order (stable sort).
-    key = torch.where(valid, scores.float(), float("-inf"))
+    key = torch.where(valid, scores.to(torch.promote_types(scores.dtype, torch.float32)), float("-inf"))
     order = torch.sort(key, dim=1, descending=True, stable=True).indices  # [B, N]
     sorted_valid = valid.gather(1, order)
-    sorted_boxes = boxes.float().gather(1, order[:, :, None].expand(-1, -1, 4))
+    work = boxes.to(torch.promote_types(boxes.dtype, torch.float32))
+    sorted_boxes = work.gather(1, order[:, :, None].expand(-1, -1, 4))
     keep_sorted, unconverged = _greedy_keep(sorted_boxes, sorted_valid, iou_threshold, block_size, max_iters)
     # The kept boxes first, in sorted order: rank = position among the kept.
     slots = min(max_out, num)
