@@ -1,27 +1,25 @@
 """Data sets from the config: ``build_dataset(cfg, split, is_train)``, the checks of
 ``cfg.data``'s paths before anything is read, and the number and names of the classes
-(``model.num_classes: auto``). The loaders are built by ``loader.py``."""
+(``model.num_classes: auto``) are in ``classes.py``, the loaders in ``loader.py``."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Optional
 
 from detector.config import Config, ConfigError
 from detector.distributed import get_world_size
 
-from .coco import CocoDetection, coco_label_map
+from .coco import CocoDetection
 from .dataset import DetectionDataset
 from .files import DataError
 from .record_cache import RecordCache
-from .schema import raise_error, read_coco
-from .shapes import CLASS_NAMES as SHAPES_CLASS_NAMES, ensure_shapes
+from .shapes import ensure_shapes
 from .copy_paste import DatasetSource
 from .transforms import DetectionTransform, build_transforms
-from .voc import VOC_CLASSES, VOCDetection
+from .voc import VOCDetection
 
 
 FORMATS = ("coco", "voc", "shapes")
@@ -171,99 +169,3 @@ def _with_paste_source(dataset: DetectionDataset) -> DetectionDataset:
     if isinstance(transforms, DetectionTransform) and transforms.copy_paste is not None:
         transforms.set_source(DatasetSource(dataset), len(dataset))
     return dataset
-
-
-def data_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Tuple[int, str]:
-    """The number of classes K of the data, and where it comes from (for messages):
-    ``len(data.class_names)``; else the data set's (when given); else VOC's 20, the
-    shapes' 3, or the number of categories in COCO's ``data.<split>.ann_file``. With
-    ``data.label_space: category_id``, K is the largest category id in use."""
-    data = cfg.data
-    if data.label_space == "category_id":
-        if dataset is not None:
-            return dataset.num_classes, f"the largest category id of {dataset.source}"
-        if data.format == "coco":
-            check_data_paths(cfg, split)
-        names, source = category_id_class_names(cfg, split)
-        return len(names), source
-    if data.class_names:
-        return len(data.class_names), "data.class_names"
-    if dataset is not None:
-        return dataset.num_classes, f"the classes of {dataset.source}"
-    if data.format == "voc":
-        return len(VOC_CLASSES), "VOC's 20 classes"
-    if data.format == "shapes":
-        return len(SHAPES_CLASS_NAMES), "the shapes' classes"
-    check_data_paths(cfg, split)
-    ann_file = getattr(data, split).ann_file
-    return len(_categories_of(ann_file)), f"the categories of {ann_file}"
-
-
-def _categories_of(ann_file: str) -> list:
-    """The ``categories`` of a COCO-format JSON, checked against the declared types
-    (``schema.read_coco``); bad input raises ``DataError`` naming the entry and field."""
-    return read_coco(str(ann_file), raise_error).categories
-
-
-def category_id_class_names(cfg: Config, split: str = "train") -> Tuple[List[str], str]:
-    """The class names of ``data.label_space: category_id`` without building the data
-    set: one per label 1..K, K the largest category id in use (all categories, or those
-    of ``data.class_names``), ``unused_<id>`` for the others (see ``coco_label_map``);
-    and where they come from (for messages). Reads COCO's ``data.<split>.ann_file``."""
-    data = cfg.data
-    if data.format == "shapes":  # the shapes' ids are 1..3 in the order of their names
-        names_by_id = {i + 1: name for i, name in enumerate(SHAPES_CLASS_NAMES)}
-        source = "the shapes' category ids"
-    else:
-        source = getattr(data, split).ann_file
-        categories = _categories_of(source)
-        names_by_id = {c.id: c.name if c.name is not None else str(c.id) for c in sorted(categories, key=lambda c: c.id)}
-    names, _, _ = coco_label_map(names_by_id, list(data.class_names) or None, "category_id", source)
-    return names, f"the largest category id of {source}"
-
-
-def resolve_num_classes(cfg: Config, dataset: Optional[DetectionDataset] = None, split: str = "train") -> Config:
-    """``cfg`` with ``model.num_classes`` resolved from the data (see ``data_num_classes``;
-    pass the ``dataset`` of ``split`` when it is built, so nothing is read twice).
-
-    ``auto`` becomes K; an explicit value must equal K (with ``data.label_space:
-    category_id``: be at least K, the largest category id).
-
-    Raises:
-        ConfigError: an explicit ``model.num_classes`` that differs from the data's K
-            (category_id: is below it), one line naming the key and both numbers.
-    """
-    k, source = data_num_classes(cfg, dataset, split)
-    n = cfg.model.num_classes
-    if n is None:
-        logger.info("model.num_classes=auto: %d classes (%s)", k, source)
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=k))
-    if cfg.data.label_space == "category_id":
-        if n < k:
-            raise ConfigError(f"config key 'model.num_classes' is {n} but the data's labels go up to {k} ({source}, "
-                              f"data.label_space=category_id); set model.num_classes=auto or >= {k}")
-        return cfg
-    if n != k:
-        raise ConfigError(f"config key 'model.num_classes' is {n} but the data has {k} classes ({source}); "
-                          f"set model.num_classes=auto or {k}")
-    return cfg
-
-
-def class_names_for(cfg: Config) -> List[str]:
-    """The name of each label 1..K without building the data set (for drawings and exported
-    files): ``data.class_names``, else the shapes' names, VOC's 20, the COCO categories of
-    ``data.val.ann_file`` when it exists, else ``class 1..K``; with ``data.label_space:
-    category_id``, one name per category id (``unused_<id>`` slots)."""
-    data = cfg.data
-    val_json = data.format == "coco" and bool(data.val.ann_file) and Path(data.val.ann_file).is_file()
-    if data.label_space == "category_id" and (data.format == "shapes" or val_json):
-        return category_id_class_names(cfg, "val")[0]
-    if data.class_names:
-        return list(data.class_names)
-    if data.format == "shapes":
-        return list(SHAPES_CLASS_NAMES)
-    if data.format == "voc":
-        return list(VOC_CLASSES)
-    if val_json:
-        return [str(c.get("name", c.get("id"))) for c in sorted(_categories_of(data.val.ann_file), key=lambda c: c["id"])]
-    return [f"class {i + 1}" for i in range(cfg.model.num_classes)]

@@ -35,7 +35,8 @@ from typing import Any, Callable, List, Optional, Tuple
 from torch import nn
 
 from detector.config import Config, config_to_yaml, save_config
-from detector.data import build_dataset, check_data_paths, resolve_num_classes
+from detector.data import (build_dataset, check_data_paths, check_val_classes, resolve_class_names,
+                           resolve_num_classes)
 from detector.data.loader import build_train_loader
 from detector.distributed import DistInfo, init_distributed, seed_everything
 from detector.engine.amp import AmpSettings, resolve_amp
@@ -192,12 +193,18 @@ def _build_eval_hook(cfg: Config, dist: DistInfo, model: nn.Module, ema: Optiona
 
 def _training_data(cfg: Config) -> Tuple[Config, Any]:
     """Checks the val paths (where evaluation is on), builds the training set and
-    resolves ``model.num_classes`` (auto: from the training set). Returns
-    ``(cfg with num_classes, training set)``."""
-    if cfg.train.eval_period >= 0:
+    resolves ``model.num_classes`` (auto: from the training set) and the class names
+    (the training set's, so that the val set is read by name: ``data.classes``); a val
+    file whose labels would name other classes is refused before any work. Returns
+    ``(cfg with num_classes and class names, training set)``."""
+    evaluates = cfg.train.eval_period >= 0
+    if evaluates:
         check_data_paths(cfg, "val")
     train_set = build_dataset(cfg, "train", True)
-    return resolve_num_classes(cfg, train_set), train_set
+    cfg = resolve_class_names(resolve_num_classes(cfg, train_set), train_set)
+    if evaluates:
+        check_val_classes(cfg, train_set)
+    return cfg, train_set
 
 
 def _initial_model(cfg: Config, output_dir: Path, is_main: bool) -> FasterRCNN:
