@@ -23,6 +23,7 @@ from detector.config import Config, load_config
 from detector.data import (DataError, build_dataset, check_val_classes, class_names_for, resolve_class_names,
                            resolve_num_classes)
 from detector.data.shapes import ensure_shapes
+from detector.modeling.weights import trained_class_names
 
 SHAPES = ["circle", "rectangle", "triangle"]
 
@@ -229,3 +230,40 @@ def test_infer_names_the_classes_of_a_coco_run(shapes, tmp_path):
         dets = json.loads((out / "detections.json").read_text())
         names = {n for d in dets for n in d["names"]}
         assert names and names <= set(SHAPES), name
+
+
+def test_tools_refuse_a_config_that_names_the_labels_otherwise_than_the_run(shapes, tmp_path, capsys):
+    # A run trained on the val file's numbering (circle 1, rectangle 2), then evaluated, drawn
+    # or exported with a config whose val file numbers them the other way and has no names:
+    # by sorted id its label 1 would be the rectangle.
+    run = tmp_path / "run"
+    argv = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, shapes / "val.json", f"train.output_dir={run}",
+                                                           "solver.max_iter=1")]
+    assert load_tool("train").main(argv) == 0
+    weights = str(run / "checkpoints" / "last.pth")
+    swapped = variant(shapes, tmp_path, "swapped.json", renumber({1: 2, 2: 1, 3: 3}))
+    other = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, swapped)]
+    want = (f"error: --weights {weights}: label 1 is 'circle' in the run that trained it (its data.class_names) but "
+            "'rectangle' in this config's data: use that run's config.yaml, or set data.class_names to the run's "
+            "class names")
+    calls = {
+        "eval": ["--weights", weights, "--output-dir", str(tmp_path / "eval")],
+        "infer": ["--weights", weights, "--input", str(shapes / "val"), "--output-dir", str(tmp_path / "infer")],
+        "export": ["--weights", weights, "--output", str(tmp_path / "model.onnx"), "--format", "onnx"],
+    }
+    for tool, args in calls.items():
+        assert load_tool(tool).main([*other, *args]) == 1, tool
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert errors == [want], tool
+    assert not (tmp_path / "model.onnx").exists() and not (tmp_path / "infer" / "detections.json").exists()
+    # With the names given (in the run's order), the same file is read by name: accepted.
+    named = [*other, "data.class_names=[circle,rectangle,triangle]"]
+    assert load_tool("eval").main([*named, *calls["eval"]]) == 0
+
+
+def test_trained_class_names_of_checkpoints_and_state_dicts():
+    config = {"data": {"class_names": ["a", "b"], "label_space": "contiguous"}}
+    assert trained_class_names({"model": {}, "config": config}) == ["a", "b"]
+    assert trained_class_names({"model": {}, "config": {"data": {"class_names": ["a"], "label_space": "category_id"}}}) == []
+    assert trained_class_names({"model": {}, "config": {"data": {}}}) == []
+    assert trained_class_names({"weight": object()}) == []

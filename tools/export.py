@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.tasks import benchmark_exported  # noqa: E402
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
-from detector.data import class_names_for  # noqa: E402
+from detector.data import check_trained_classes, class_names_for  # noqa: E402
 from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
 from detector.modeling.weights import load_weights  # noqa: E402
@@ -121,12 +121,14 @@ def export(args: argparse.Namespace) -> int:
     # --weights holds every weight: build without initial weights (nothing to download).
     cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
     model = build_model(cfg)
-    load_weights(model, args.weights, strict=True)
+    report = load_weights(model, args.weights, strict=True)
     model.eval()
     images = test_images(tuple(args.image_size or default_image_size(cfg)), args.image)
     output = Path(args.output)
     if not args.verify_only:
-        metadata = export_metadata(class_names_for(cfg), cfg.input.min_size_test, cfg.input.max_size_test)
+        class_names = class_names_for(cfg)
+        check_trained_classes(cfg, report.trained_classes, class_names, args.weights)
+        metadata = export_metadata(class_names, cfg.input.min_size_test, cfg.input.max_size_test)
         export_model(model, args.format, output, images[0], opset=args.opset, metadata=metadata)
         print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {args.format})")
     print(f"parity check: boxes within {args.box_tol:g} px + {args.box_rtol:g} x the longer image side, "

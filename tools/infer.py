@@ -14,7 +14,6 @@ one-line message on other bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bo
 
 from detector.cli import run_tool  # noqa: E402
 from detector.config import load_config  # noqa: E402
-from detector.data import class_names_for  # noqa: E402,F401  (test_label_space reads it here)
+from detector.data import check_trained_classes, class_names_for  # noqa: E402  (test_label_space reads class_names_for here)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -58,13 +57,15 @@ def infer(args: argparse.Namespace) -> int:
     paths = list_images(args.input)
     device = resolve_device(cfg.train.device)
     model = build_model(cfg)
-    load_model_weights(model, args.weights)
+    report = load_model_weights(model, args.weights)
+    class_names = class_names_for(cfg)
+    check_trained_classes(cfg, report.trained_classes, class_names, args.weights)
     model.to(device).eval()
     records, skipped = predict_files(
         model,
         paths,
         args.output_dir,
-        class_names_for(cfg),
+        class_names,
         transform=build_transforms(cfg, is_train=False, seed=0),
         score_thresh=args.score_thresh,
         tta=tta_settings(cfg),

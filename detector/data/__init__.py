@@ -16,6 +16,7 @@ without a wait.
 from .build import FORMATS, build_dataset, check_data_paths
 from .classes import (
     category_id_class_names,
+    check_trained_classes,
     check_val_classes,
     class_names_for,
     data_num_classes,
@@ -41,6 +42,7 @@ __all__ = [
     "build_train_loader",
     "build_transforms",
     "category_id_class_names",
+    "check_trained_classes",
     "check_val_classes",
     "class_names_for",
     "check_data_paths",

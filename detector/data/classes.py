@@ -180,6 +180,24 @@ def check_val_classes(cfg: Config, train_set: DetectionDataset) -> None:
                 "the categories distinct names, or the same ids in both files")
 
 
+def check_trained_classes(cfg: Config, trained: Sequence[str], names: Sequence[str], weights: str) -> None:
+    """Refuse to evaluate or draw with labels named otherwise than in the run that trained
+    ``weights``: ``trained`` (``LoadReport.trained_classes``) against ``names``, this
+    config's names of labels 1..K (the val set's, or ``class_names_for``). Nothing to
+    compare with ``category_id`` labels (the ids) or where either list is empty.
+
+    Raises:
+        DataError: one line naming the weights, the first label that differs and both names.
+    """
+    if cfg.data.label_space != "contiguous" or not trained or not names:
+        return
+    for label, (want, got) in enumerate(zip(trained, names), start=1):
+        if want != got:
+            raise DataError(f"--weights {weights}: label {label} is {want!r} in the run that trained it (its "
+                            f"data.class_names) but {got!r} in this config's data: use that run's config.yaml, or "
+                            "set data.class_names to the run's class names")
+
+
 def class_names_for(cfg: Config) -> List[str]:
     """The name of each label 1..K without building the data set (for drawings and exported
     files): ``data.class_names`` (a training run's ``config.yaml`` holds them), else the

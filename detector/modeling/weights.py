@@ -73,6 +73,8 @@ class LoadReport:
         renamed: source key -> model key for pre-v2 torchvision names.
         skipped: model keys deliberately not loaded (predictor with another class count).
         notes: human-readable remarks.
+        trained_classes: a training checkpoint's class names, label 1..K (its stored
+            config's ``data.class_names`` with contiguous labels; empty otherwise).
     """
 
     loaded: List[str] = field(default_factory=list)
@@ -81,6 +83,7 @@ class LoadReport:
     renamed: Dict[str, str] = field(default_factory=dict)
     skipped: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    trained_classes: List[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line: counts, then the notes."""
@@ -171,6 +174,18 @@ def state_dict_from(data: Mapping[str, Any], where: str) -> Dict[str, Tensor]:
     return dict(data)
 
 
+def trained_class_names(data: Mapping[str, Any]) -> List[str]:
+    """The class names, label 1..K, of the run that wrote the training checkpoint
+    ``data``: its stored config's ``data.class_names`` where its labels are contiguous
+    (training writes them there, ``detector.data.classes``); empty for a state dict, an
+    older checkpoint or ``category_id`` labels."""
+    section = data.get("config", {}).get("data", {}) if isinstance(data.get("config"), Mapping) else {}
+    names = section.get("class_names") if isinstance(section, Mapping) else None
+    if section.get("label_space", "contiguous") != "contiguous" or not isinstance(names, list):
+        return []
+    return [str(n) for n in names]
+
+
 # --------------------------------------------------------------------------- loading into a model
 
 
@@ -259,6 +274,7 @@ def load_weights(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, 
 
     model.load_state_dict(to_load, strict=False)
     report.loaded = sorted(to_load)
+    report.trained_classes = trained_class_names(data)
     logger.info("weights loaded from %s: %s", where, report.summary())
     return report
 
@@ -313,7 +329,9 @@ def load_model_weights(model: nn.Module, source: str, key: str = "--weights", us
         if not isinstance(data.get("ema"), dict):
             raise WeightsError(f"{key} {source}: holds no EMA weights (a checkpoint of a run with "
                                "train.ema.enabled); set eval.use_ema=false to evaluate its raw weights")
-        return load_weights(model, data["ema"]["model"], strict=True, name=f"{source} (EMA)")
+        report = load_weights(model, data["ema"]["model"], strict=True, name=f"{source} (EMA)")
+        report.trained_classes = trained_class_names(data)
+        return report
     found = _weights_source(source, key=key, instead="pass the downloaded file")
     if found is None:  # neither a file nor a name: the file loader says the file is missing
         return load_weights(model, source, strict=True)
