@@ -300,6 +300,13 @@ def _bad_inputs(voc_root: Path, tmp_path: Path):
     out = tmp_path / "run"
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
+    # A val split whose only file names a class VOC does not have: found when the val set is
+    # built, before training (it was found at the first evaluation, after training).
+    (voc_root / "Annotations" / "u.xml").write_text(
+        "<annotation><size><width>64</width><height>48</height><depth>3</depth></size><object><name>unicorn</name>"
+        "<bndbox><xmin>5</xmin><ymin>5</ymin><xmax>30</xmax><ymax>40</ymax></bndbox></object></annotation>")
+    Image.fromarray(np.zeros((48, 64, 3), np.uint8)).save(voc_root / "JPEGImages" / "u.jpg")
+    (voc_root / "ImageSets" / "Main" / "unicorn.txt").write_text("u\n")
     return {
         "lr_nan": (["solver.lr=nan"], ["'solver.lr'", "nan"]),
         "lr_inf": (["solver.lr=inf"], ["'solver.lr'", "inf"]),
@@ -316,13 +323,15 @@ def _bad_inputs(voc_root: Path, tmp_path: Path):
         "devkit_not_year_folder": ([f"data.train.root={voc_root.parent}"], ["data.train.root", "year folder"]),
         "float16_amp_on_cpu": (["train.amp.enabled=true", "train.amp.dtype=float16"], ["'train.amp.enabled'", "CPU"]),
         "class_name_typo": (["data.class_names=[cat,dgo]"], ["data.class_names", "'dgo'", "did you mean 'dog'"]),
+        "val_annotation_fault": (["data.val.split=unicorn", "train.eval_period=0", "model.num_classes=auto"],
+                                 [str(voc_root / "Annotations" / "u.xml"), "'unicorn'"]),
     }, out
 
 
 BAD_INPUTS = ["lr_nan", "lr_inf", "warmup_factor_negative", "gamma_negative", "num_workers_negative",
               "prefetch_zero_with_workers", "eval_images_per_gpu_zero", "output_dir_is_a_file",
               "num_classes_mismatch", "missing_root", "missing_val_split", "devkit_not_year_folder",
-              "float16_amp_on_cpu", "class_name_typo"]
+              "float16_amp_on_cpu", "class_name_typo", "val_annotation_fault"]
 
 
 def _run_train_tool(train_tool, argv: list, capsys):

@@ -6,8 +6,9 @@ other, each made by a plain call into the module that owns it:
 
 1. the process: distributed info, torch flags, seeds, the run folder (locked and
    checked, ``detector.engine.run_folder``);
-2. the data: AMP settings for the device, the val paths, the training set and
-   ``model.num_classes`` (all checked before the model is built);
+2. the data: AMP settings for the device, the val paths, the training set,
+   ``model.num_classes`` and the class names, and the val set where evaluation is on
+   (all checked before the model is built);
 3. the model (initial weights, a summary on rank 0), prepared for the device (SyncBN,
    DDP: ``detector.engine.setup``), the optimizer and LR schedule
    (``detector.engine.optim``), the training step (``detector.engine.step_choice``) and the training loader;
@@ -122,7 +123,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     amp = resolve_amp(cfg.train.amp, dist.device)  # float16 on a CPU is refused before anything is built
     # A batch that cannot fit is refused before anything is built (ranks on the CPU share the host's memory).
     check_batch_memory(cfg, dist.device, dist.local_world_size if dist.device.type == "cpu" else 1)
-    cfg, train_set = _training_data(cfg)
+    cfg, train_set, val_set = _training_data(cfg)
     loader = build_train_loader(cfg, train_set, dist.rank, dist.world_size)
     cfg = resolve_epoch_schedule(cfg, len(loader))  # before the scheduler, config.yaml and checkpoints
     model = _initial_model(cfg, output_dir, is_main)
@@ -143,7 +144,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     writers = _open_run_records(cfg, output_dir, state.iteration, resumed is not None, is_main)
     on_close.insert(0, writers.close)
     ema = _build_ema(cfg, model_without_ddp, training_state, resumed)
-    eval_hook = _build_eval_hook(cfg, dist, model_without_ddp, ema, amp, writers, checkpointer, resumed)
+    eval_hook = _build_eval_hook(cfg, dist, model_without_ddp, ema, amp, writers, checkpointer, resumed, val_set)
     training_state.extras["early_stop"] = eval_hook.early_stop_state
     training_state.best = eval_hook  # checkpoints record its best value
     hooks = ([EMAHook(ema, model_without_ddp)] if ema is not None else []) + \
@@ -171,15 +172,17 @@ def _build_ema(cfg: Config, model: nn.Module, training_state: TrainingState,
 
 
 def _build_eval_hook(cfg: Config, dist: DistInfo, model: nn.Module, ema: Optional[ModelEMA], amp: AmpSettings,
-                     writers: EventWriters, checkpointer: Checkpointer, resumed: Optional[ResumePoint]) -> EvalHook:
+                     writers: EventWriters, checkpointer: Checkpointer, resumed: Optional[ResumePoint],
+                     val_set: Any) -> EvalHook:
     """``EvalHook`` on the raw or (``eval.use_ema``) the EMA weights, the other ones
-    evaluated alongside (``raw/`` or ``ema/`` metrics); early stopping restored."""
+    evaluated alongside (``raw/`` or ``ema/`` metrics), on ``val_set``; early stopping
+    restored."""
     is_main, output_dir = dist.rank == 0, Path(cfg.train.output_dir)
     main_model = ema.module if ema is not None and cfg.eval.use_ema else model
-    evaluate: Any = Validator(main_model, cfg, amp, writers, output_dir, is_main)
+    evaluate: Any = Validator(main_model, cfg, amp, writers, output_dir, is_main, dataset=val_set)
     if ema is not None:
         other, prefix = (model, "raw") if cfg.eval.use_ema else (ema.module, "ema")
-        evaluate = PairedValidator(evaluate, Validator(other, cfg, amp, writers, output_dir, is_main,
+        evaluate = PairedValidator(evaluate, Validator(other, cfg, amp, writers, output_dir, is_main, dataset=val_set,
                                                        eval_name=f"eval_{prefix}", draw=False), prefix)
     early_stopping = EarlyStopping(cfg.train.best_metric, cfg.train.early_stop.patience, cfg.train.early_stop.min_delta)
     early_stopping.load_state_dict((resumed.extras or {}).get("early_stop") if resumed is not None else None)
@@ -191,20 +194,23 @@ def _build_eval_hook(cfg: Config, dist: DistInfo, model: nn.Module, ema: Optiona
     )
 
 
-def _training_data(cfg: Config) -> Tuple[Config, Any]:
+def _training_data(cfg: Config) -> Tuple[Config, Any, Any]:
     """Checks the val paths (where evaluation is on), builds the training set and
     resolves ``model.num_classes`` (auto: from the training set) and the class names
-    (the training set's, so that the val set is read by name: ``data.classes``); a val
-    file whose labels would name other classes is refused before any work. Returns
-    ``(cfg with num_classes and class names, training set)``."""
+    (the training set's, so that the val set is read by name: ``data.classes``). Where
+    evaluation is on, the val set is built too, so that its faults (a val file whose
+    labels would name other classes, a bad annotation) stop the run before any work
+    rather than at the first evaluation. Returns ``(cfg with num_classes and class
+    names, training set, val set or None)``."""
     evaluates = cfg.train.eval_period >= 0
     if evaluates:
         check_data_paths(cfg, "val")
     train_set = build_dataset(cfg, "train", True)
     cfg = resolve_class_names(resolve_num_classes(cfg, train_set), train_set)
-    if evaluates:
-        check_val_classes(cfg, train_set)
-    return cfg, train_set
+    if not evaluates:
+        return cfg, train_set, None
+    check_val_classes(cfg, train_set)
+    return cfg, train_set, build_dataset(cfg, "val", False)
 
 
 def _initial_model(cfg: Config, output_dir: Path, is_main: bool) -> FasterRCNN:

@@ -202,8 +202,8 @@ class Validator:
         writers: TensorBoard (rank 0).
         output_dir: the run folder.
         is_main: this process writes files.
-        dataset: the val dataset; by default ``build_dataset(cfg, "val", False)`` at the
-            first evaluation.
+        dataset: the val dataset (the trainer builds it before training); by default
+            ``build_dataset(cfg, "val", False)`` at the first evaluation.
         evaluate_fn: ``detector.evaluation.evaluate`` by default.
         eval_name: the folder under ``output_dir`` for the reports (``eval``).
         draw: write the per-class curves and images to TensorBoard (off for a second
