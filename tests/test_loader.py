@@ -5,10 +5,13 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import ROOT
 from detector.config import load_config
 from detector.data import build_dataset, build_test_loader, build_train_loader, measure_loader_throughput
 from benchmarks.records_memory import worker_gc_growth
@@ -232,3 +235,58 @@ def test_a_workers_garbage_collection_leaves_the_parents_objects_shared():
     finally:
         gc.unfreeze()
     del ballast
+
+
+EXIT_SCRIPT = """
+import sys
+from functools import partial
+
+import torch
+from detector.data import loader as L
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return torch.tensor([i])
+
+if sys.argv[1] == "control":  # without the exit stop: what the process did before
+    L._stop_workers_at_exit = lambda iterator: None
+# Held in a module global, as a script or notebook holds its trainer: the persistent
+# workers are alive when the interpreter ends.
+loader = L.DetectionDataLoader(Numbers(), batch_size=4, num_workers=1, persistent_workers=True,
+                               worker_init_fn=partial(L.worker_init_fn, rank=0))
+print(sum(int(b.sum()) for b in loader), flush=True)
+"""
+
+
+def test_a_process_ends_while_its_persistent_workers_live(tmp_path):
+    """The workers ignore SIGTERM (``worker_init_fn``), which is how ``multiprocessing``'s
+    exit handler stops daemon children before it joins them: a process ending with live
+    persistent workers waited for ever. They are now stopped first (a finalizer), and the
+    control, without it, still hangs."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), "fixed"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["28"], done.stderr
+    control = subprocess.Popen([sys.executable, str(script), "control"], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            control.wait(timeout=15)
+    finally:
+        os.killpg(control.pid, signal.SIGKILL)
+        control.wait()
+
+
+def test_close_stops_the_persistent_workers(shapes_cfg):
+    cfg = shapes_cfg("data.num_workers=1", "data.persistent_workers=true")
+    loader = build_train_loader(cfg, build_dataset(cfg, "train", True))
+    assert len(_epoch(loader, 0)) == len(loader)
+    workers = list(loader._iterator._workers)
+    assert workers and all(w.is_alive() for w in workers)
+    loader.close()
+    assert loader._iterator is None and not any(w.is_alive() for w in workers)
+    assert len(_epoch(loader, 1)) == len(loader)  # a later epoch starts new workers
+    loader.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
 import pickle
 import re
@@ -438,3 +439,16 @@ def test_resume_followed_by_an_override_keeps_the_override(tmp_path):
     assert args.resume == str(ckpt) and args.overrides == ["solver.lr=0.01"]
     args = tool.parse_args(["--config", "c.yaml", "--resume"])
     assert args.resume is True and args.overrides == []
+
+
+def test_close_stops_the_loaders_persistent_workers(data_root, tmp_path):
+    trainer = build_trainer(tiny_config(data_root, tmp_path / "run", "data.num_workers=1",
+                                        "data.persistent_workers=true", "solver.max_iter=2"))
+    try:
+        assert trainer.train().status == "finished"
+        workers = list(trainer.loader._iterator._workers)
+        assert workers and all(w.is_alive() for w in workers)
+    finally:
+        trainer.close()
+    assert not any(w.is_alive() for w in workers)
+    assert not [p for p in multiprocessing.active_children() if p in workers]

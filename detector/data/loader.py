@@ -17,11 +17,13 @@ import contextlib
 import gc
 import logging
 import math
+import multiprocessing.util
 import os
 import random
 import re
 import signal
 import time
+import weakref
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -236,16 +238,46 @@ def _gc_frozen(enabled: bool) -> Iterator[None]:
         gc.unfreeze()
 
 
+def _stop_workers_of(ref: "weakref.ref[Any]") -> None:
+    """``_stop_workers`` of the iterator ``ref`` points to, if it is still alive."""
+    iterator = ref()
+    if iterator is not None:
+        _stop_workers(iterator)
+
+
+def _stop_workers_at_exit(iterator: Iterator[Any]) -> None:
+    """Stop ``iterator``'s workers when the process ends, before ``multiprocessing``'s
+    exit handler joins its child processes (a finalizer of exit priority >= 0 runs
+    first). That handler stops daemon children with SIGTERM, which the workers ignore
+    (``worker_init_fn``): a process that ends with a live multi-process iterator (a
+    ``Trainer`` or a loader with persistent workers held in a module's global) waited
+    for them for ever. Registered once per iterator; dropped when it is collected."""
+    if getattr(iterator, "_workers", None) and getattr(iterator, "_detector_exit_stop", None) is None:
+        iterator._detector_exit_stop = multiprocessing.util.Finalize(  # type: ignore[attr-defined]
+            iterator, _stop_workers_of, args=(weakref.ref(iterator),), exitpriority=10)
+
+
 class DetectionDataLoader(DataLoader):
     """A ``DataLoader`` whose workers' errors read as without workers
     (``unwrap_worker_error``), that turns a worker killed by a shared-memory bus error
-    into a ``RuntimeError`` saying what to do, and whose forked workers leave the parent's
-    objects to it (``_gc_frozen``)."""
+    into a ``RuntimeError`` saying what to do, whose forked workers leave the parent's
+    objects to it (``_gc_frozen``), and whose workers stop when the process ends
+    (``_stop_workers_at_exit``) or the loader is closed."""
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         with _gc_frozen(self.num_workers > 0):
             iterator = super().__iter__()  # the workers start (fork) here
+        _stop_workers_at_exit(iterator)
         return self._iterate(iterator)
+
+    def close(self) -> None:
+        """Stop the persistent workers now (``data.persistent_workers``; a later
+        iteration starts new ones). Without persistent workers there is nothing to stop:
+        an iteration's workers stop at its end."""
+        iterator = getattr(self, "_iterator", None)  # torch keeps the persistent workers' iterator here
+        if iterator is not None:
+            _stop_workers(iterator)
+            self._iterator = None
 
     @staticmethod
     def _iterate(iterator: Iterator[Any]) -> Iterator[Any]:

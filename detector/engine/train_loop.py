@@ -242,7 +242,11 @@ class Trainer:
         return micro
 
     def close(self) -> None:
-        """Release what the builder handed over (``on_close``: writers, the run folder)."""
+        """Release what the builder handed over (``on_close``: writers, the run folder)
+        and the loader's persistent workers."""
+        close_loader = getattr(self.loader, "close", None)
+        if close_loader is not None:
+            close_loader()
         callbacks, self._on_close = self._on_close, []
         for close in callbacks:
             close()
