@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT
 from detector.config import load_config
-from detector.data import build_dataset, build_test_loader, build_train_loader, measure_loader_throughput
+from detector.data import build_dataset, build_test_loader, build_train_loader
 from benchmarks.records_memory import worker_gc_growth
 from detector.data.loader import DetectionDataLoader, collate_list
 
@@ -119,14 +119,6 @@ def test_bus_error_message_gives_advice():
     loader = DetectionDataLoader(_SigbusDataset(), batch_size=2, num_workers=1, collate_fn=collate_list)
     with pytest.raises(RuntimeError, match=r"bus error.*shared memory.*fewer workers.*--shm-size"):
         next(iter(loader))
-
-
-def test_measure_loader_throughput(shapes_cfg):
-    cfg = shapes_cfg("data.num_workers=0")
-    loader = build_train_loader(cfg, build_dataset(cfg, "train", True))
-    stats = measure_loader_throughput(loader, num_batches=8, warmup_batches=1)  # spans two epochs (6 per epoch)
-    assert stats["images"] == 16
-    assert stats["images_per_s"] > 0 and stats["seconds"] > 0
 
 
 def test_packed_batch_round_trip():

@@ -26,7 +26,7 @@ from .classes import (
 from .coco import CocoDetection, coco_label_map
 from .dataset import DetectionDataset
 from .files import DataError, load_image
-from .loader import build_test_loader, build_train_loader, measure_loader_throughput
+from .loader import build_test_loader, build_train_loader
 from .transforms import build_transforms
 from .voc import VOC_CLASSES, VOCDetection
 
@@ -49,7 +49,6 @@ __all__ = [
     "coco_label_map",
     "data_num_classes",
     "load_image",
-    "measure_loader_throughput",
     "resolve_class_names",
     "resolve_num_classes",
 ]

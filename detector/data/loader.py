@@ -22,7 +22,6 @@ import os
 import random
 import re
 import signal
-import time
 import weakref
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -398,44 +397,3 @@ def build_test_loader(cfg: Config, dataset: Dataset, rank: int = 0, world_size: 
         worker_init_fn=partial(worker_init_fn, rank=rank),
         **kwargs,
     )
-
-
-def measure_loader_throughput(loader: DataLoader, num_batches: int, warmup_batches: int = 2) -> Dict[str, float]:
-    """Images per second a loader delivers with nothing else running.
-
-    The clock starts when batch ``warmup_batches`` (>= 1) arrives, so worker start-up is
-    excluded, and stops after ``num_batches`` more; epochs are chained as needed.
-
-    Returns ``{"images_per_s", "batches_per_s", "images", "seconds", "startup_s",
-    "main_cpu_ms_per_image"}``; the last is the main process's CPU time per image (with
-    ``num_workers=0`` the whole pipeline's cost, a figure that depends little on other
-    load on the machine).
-    """
-    warmup_batches = max(1, warmup_batches)
-    t_start = time.perf_counter()
-    t0, cpu0 = t_start, time.process_time()
-    count = images = 0
-    epoch = 0
-    while count < warmup_batches + num_batches:
-        if hasattr(loader.batch_sampler, "set_epoch"):
-            loader.batch_sampler.set_epoch(epoch)
-        for batch_images, _ in loader:
-            count += 1
-            if count == warmup_batches:
-                t0 = time.perf_counter()
-                cpu0 = time.process_time()
-            elif count > warmup_batches:
-                images += len(batch_images)
-            if count == warmup_batches + num_batches:
-                break
-        epoch += 1
-    seconds = time.perf_counter() - t0
-    cpu = time.process_time() - cpu0
-    return {
-        "main_cpu_ms_per_image": 1000 * cpu / max(images, 1),
-        "images_per_s": images / seconds,
-        "batches_per_s": num_batches / seconds,
-        "images": float(images),
-        "seconds": seconds,
-        "startup_s": t0 - t_start,
-    }
