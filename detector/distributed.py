@@ -299,10 +299,6 @@ def get_world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
-def is_main_process() -> bool:
-    return get_rank() == 0
-
-
 def barrier(info: Optional[DistInfo] = None) -> None:
     """Wait for every rank (``watch``-ed: a slow wait is logged; ``info`` names the ranks)."""
     if is_dist() and get_world_size() > 1:

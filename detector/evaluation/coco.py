@@ -290,29 +290,3 @@ def _result(stats: List[float], precision: np.ndarray, iou_thrs: np.ndarray, cat
         cat_ids=cat_ids,
         rec_thrs=rec_thrs,
     )
-
-
-def boxes_to_results(
-    image_id: int,
-    boxes: np.ndarray,
-    scores: np.ndarray,
-    category_ids: Sequence[int],
-) -> List[Dict[str, Any]]:
-    """Detections of one image in COCO results format.
-
-    Args:
-        boxes: [M, 4] xyxy, original-image pixels.
-        scores: [M].
-        category_ids: [M] original category ids.
-    """
-    out = []
-    for (x1, y1, x2, y2), s, c in zip(np.asarray(boxes, dtype=np.float64).tolist(), np.asarray(scores).tolist(), category_ids):
-        out.append(
-            {
-                "image_id": int(image_id),
-                "category_id": int(c),
-                "bbox": [x1, y1, x2 - x1, y2 - y1],
-                "score": float(s),
-            }
-        )
-    return out

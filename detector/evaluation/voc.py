@@ -25,7 +25,7 @@ from typing import Any, Dict, Sequence
 
 import numpy as np
 
-from .iou import EvalImage, is_ignored, xywh_to_xyxy
+from .iou import is_ignored, xywh_to_xyxy
 from .results import as_detections
 
 logger = logging.getLogger(__name__)
@@ -225,29 +225,6 @@ def voc_evaluate_arrays(
             flags=f,
         )
     return out
-
-
-def voc_evaluate_records(
-    records: Dict[int, EvalImage], cat_ids: Sequence[int], iou_thresh: float = 0.5,
-    voc07_thresholds: str = "exact",
-) -> Dict[int, VOCClassResult]:
-    """VOC AP per category id from per-image records (see :func:`group_by_image`), in
-    the records' image order; see :func:`voc_evaluate_arrays`."""
-    recs = list(records.values())
-    n_gt = [len(r.gt_cats) for r in recs]
-    n_dt = [len(r.dt_cats) for r in recs]
-
-    def cat(name: str, shape: tuple) -> np.ndarray:
-        parts = [getattr(r, name) for r in recs]
-        return np.concatenate(parts) if parts else np.zeros(shape)
-
-    return voc_evaluate_arrays(
-        np.repeat(np.arange(len(recs)), n_gt), cat("gt_cats", (0,)).astype(np.int64),
-        cat("gt_boxes", (0, 4)), cat("gt_ignore", (0,)).astype(bool),
-        np.repeat(np.arange(len(recs)), n_dt), cat("dt_cats", (0,)).astype(np.int64),
-        cat("dt_boxes", (0, 4)), cat("dt_scores", (0,)),
-        cat_ids, iou_thresh, voc07_thresholds,
-    )
 
 
 def voc_evaluate(
