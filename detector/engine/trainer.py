@@ -126,7 +126,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     cfg, train_set, val_set = _training_data(cfg)
     loader = build_train_loader(cfg, train_set, dist.rank, dist.world_size)
     cfg = resolve_epoch_schedule(cfg, len(loader))  # before the scheduler, config.yaml and checkpoints
-    model = _initial_model(cfg, output_dir, is_main)
+    model = _initial_model(cfg, output_dir, is_main, list(train_set.class_names))
     model, model_without_ddp = prepare_model(model, cfg, dist.device, dist.world_size)
     optimizer = build_optimizer(model, cfg, dist.world_size)
     scheduler = build_lr_scheduler(optimizer, cfg)
@@ -213,14 +213,31 @@ def _training_data(cfg: Config) -> Tuple[Config, Any, Any]:
     return cfg, train_set, build_dataset(cfg, "val", False)
 
 
-def _initial_model(cfg: Config, output_dir: Path, is_main: bool) -> FasterRCNN:
-    """``build_model(cfg)`` with ``model.weights`` loaded; rank 0 logs its summary."""
+def _initial_model(cfg: Config, output_dir: Path, is_main: bool, class_names: List[str]) -> FasterRCNN:
+    """``build_model(cfg)`` with ``model.weights`` loaded; rank 0 logs its summary.
+    ``class_names``: the training set's, label 1..K (``_warn_other_classes``)."""
     model = build_model(cfg)
     if cfg.model.weights:
-        load_initial_weights(model, cfg.model.weights)
+        report = load_initial_weights(model, cfg.model.weights)
+        if is_main:
+            _warn_other_classes(report.trained_classes, class_names, cfg.model.weights)
     if is_main:
         _write_summary(model, cfg, output_dir)
     return model
+
+
+def _warn_other_classes(trained: List[str], class_names: List[str], source: str) -> None:
+    """One warning when ``model.weights`` is a checkpoint of a run whose K labels named
+    other classes (or the same ones in another order) than this run's: its box predictor
+    is loaded label by label, so each class starts from another class's weights. (With
+    another K the predictor starts fresh, and the load report says so.)"""
+    if not trained or len(trained) != len(class_names) or list(trained) == list(class_names):
+        return
+    how = "the same classes in another order" if sorted(trained) == sorted(class_names) else "other classes"
+    label = next(i for i, (a, b) in enumerate(zip(trained, class_names), start=1) if a != b)
+    logger.warning("model.weights %s: its run named the labels otherwise (%s; label %d was %r, here %r): the box "
+                   "predictor is loaded label by label, so those classes start from another class's weights",
+                   source, how, label, trained[label - 1], class_names[label - 1])
 
 
 def _write_summary(model: FasterRCNN, cfg: Config, output_dir: Path) -> None:
