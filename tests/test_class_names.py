@@ -36,6 +36,17 @@ def shapes(tmp_path_factory) -> Path:
     return ensure_shapes(tmp_path_factory.mktemp("coco_shapes") / "data", 8, 4, 3, 64, 96)
 
 
+@pytest.fixture(scope="module")
+def coco_run(shapes, tmp_path_factory) -> Path:
+    """A run folder of the tiny model trained 2 iterations on ``shapes`` (COCO format),
+    evaluated at the end on the val file."""
+    run = tmp_path_factory.mktemp("coco_run") / "run"
+    argv = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, shapes / "val.json", f"train.output_dir={run}",
+                                                           "solver.max_iter=2", "train.eval_period=0")]
+    assert load_tool("train").main(argv) == 0
+    return run
+
+
 def variant(shapes: Path, tmp_path: Path, name: str, change: Callable[[dict], None]) -> Path:
     """A copy of the val JSON changed by ``change`` (in place), as ``tmp_path / name``."""
     data = json.loads((shapes / "val.json").read_text())
@@ -110,21 +121,18 @@ def per_class(run: Path) -> Dict[str, dict]:
         return {row["name"]: {k: v for k, v in row.items() if k != "category_id"} for row in csv.DictReader(f)}
 
 
-def test_a_val_file_with_other_ids_scores_the_model_as_the_original_file(shapes, tmp_path):
+def test_a_val_file_with_other_ids_scores_the_model_as_the_original_file(shapes, coco_run, tmp_path):
     # The same model (seeded), evaluated at the end of training on the val file and on a copy
     # whose circle and rectangle ids are swapped: the same ground truth, detections and AP
     # per class name. (By sorted id, the model's circles were scored as the copy's rectangles.)
     swapped = variant(shapes, tmp_path, "swapped.json", renumber({1: 2, 2: 1, 3: 3}))
-    train = load_tool("train")
-    runs = {}
-    for name, val in (("original", shapes / "val.json"), ("swapped", swapped)):
-        runs[name] = tmp_path / name
-        argv = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, val, f"train.output_dir={runs[name]}",
-                                                               "solver.max_iter=2", "train.eval_period=0")]
-        assert train.main(argv) == 0
-        saved = yaml.safe_load((runs[name] / "config.yaml").read_text())
-        assert saved["data"]["class_names"] == SHAPES
-    original, moved = per_class(runs["original"]), per_class(runs["swapped"])
+    run = tmp_path / "swapped"
+    argv = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, swapped, f"train.output_dir={run}",
+                                                           "solver.max_iter=2", "train.eval_period=0")]
+    assert load_tool("train").main(argv) == 0
+    for folder in (coco_run, run):
+        assert yaml.safe_load((folder / "config.yaml").read_text())["data"]["class_names"] == SHAPES
+    original, moved = per_class(coco_run), per_class(run)
     assert set(original) == set(SHAPES) and sum(int(r["num_det"]) for r in original.values()) > 0
     assert moved == original
 
@@ -217,11 +225,8 @@ def test_class_names_of_a_coco_config_without_names(shapes, tmp_path):
     assert class_names_for(coco_cfg(shapes, data)) == ["circle", "rectangle", "3"]
 
 
-def test_infer_names_the_classes_of_a_coco_run(shapes, tmp_path):
-    run = tmp_path / "run"
-    argv = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, shapes / "val.json", f"train.output_dir={run}",
-                                                           "solver.max_iter=1")]
-    assert load_tool("train").main(argv) == 0
+def test_infer_names_the_classes_of_a_coco_run(shapes, coco_run, tmp_path):
+    run = coco_run
     # The run's config.yaml, and a config without names (the user's own recipe) as well.
     for name, cfg_args in (("run", ["--config", str(run / "config.yaml")]),
                            ("user", ["--config", str(TINY_CONFIG), *coco_overrides(shapes, shapes / "val.json")])):
@@ -234,15 +239,11 @@ def test_infer_names_the_classes_of_a_coco_run(shapes, tmp_path):
         assert names and names <= set(SHAPES), name
 
 
-def test_tools_refuse_a_config_that_names_the_labels_otherwise_than_the_run(shapes, tmp_path, capsys):
+def test_tools_refuse_a_config_that_names_the_labels_otherwise_than_the_run(shapes, coco_run, tmp_path, capsys):
     # A run trained on the val file's numbering (circle 1, rectangle 2), then evaluated, drawn
     # or exported with a config whose val file numbers them the other way and has no names:
     # by sorted id its label 1 would be the rectangle.
-    run = tmp_path / "run"
-    argv = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, shapes / "val.json", f"train.output_dir={run}",
-                                                           "solver.max_iter=1")]
-    assert load_tool("train").main(argv) == 0
-    weights = str(run / "checkpoints" / "last.pth")
+    weights = str(coco_run / "checkpoints" / "last.pth")
     swapped = variant(shapes, tmp_path, "swapped.json", renumber({1: 2, 2: 1, 3: 3}))
     other = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, swapped)]
     want = (f"error: --weights {weights}: label 1 is 'circle' in the run that trained it (its data.class_names) but "
@@ -282,13 +283,10 @@ class KeptRecords(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_initial_weights_of_a_run_with_other_label_names_are_flagged(shapes, tmp_path):
+def test_initial_weights_of_a_run_with_other_label_names_are_flagged(shapes, coco_run, tmp_path):
     # Fine-tuning from a run of this data set after its categories were renumbered: the box
     # predictor loads label by label, so circles would start from the rectangles' weights.
-    first = tmp_path / "first"
-    assert load_tool("train").main(["--config", str(TINY_CONFIG), *coco_overrides(
-        shapes, shapes / "val.json", f"train.output_dir={first}", "solver.max_iter=1")]) == 0
-    weights = first / "checkpoints" / "last.pth"
+    weights = coco_run / "checkpoints" / "last.pth"
     train = json.loads((shapes / "train.json").read_text())
     renumber({1: 2, 2: 1, 3: 3})(train)
     renumbered = tmp_path / "train_renumbered.json"

@@ -266,7 +266,7 @@ def test_a_process_ends_while_its_persistent_workers_live(tmp_path):
                                stderr=subprocess.PIPE, start_new_session=True)
     try:
         with pytest.raises(subprocess.TimeoutExpired):
-            control.wait(timeout=15)
+            control.wait(timeout=10)
     finally:
         os.killpg(control.pid, signal.SIGKILL)
         control.wait()
