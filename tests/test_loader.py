@@ -260,12 +260,13 @@ def test_a_process_ends_while_its_persistent_workers_live(tmp_path):
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), "fixed"], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout.split() == ["28"], done.stderr
-    control = subprocess.Popen([sys.executable, str(script), "control"], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, start_new_session=True)
+    control = subprocess.Popen([sys.executable, str(script), "control"], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        with pytest.raises(subprocess.TimeoutExpired):
+        done = subprocess.run([sys.executable, str(script), "fixed"], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0 and done.stdout.split() == ["28"], done.stderr
+        with pytest.raises(subprocess.TimeoutExpired):  # started together: it has had as long, and 10 s more
             control.wait(timeout=10)
     finally:
         os.killpg(control.pid, signal.SIGKILL)
