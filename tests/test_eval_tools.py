@@ -381,3 +381,42 @@ def test_empty_detections_through_every_metric(case_files, tmp_path):
     write_outputs(report, [], tmp_path)
     assert json.loads((tmp_path / "detections.json").read_text()) == []
     assert_png_not_blank(tmp_path / "pr_curves.png")
+
+
+def test_a_val_set_without_boxes_is_said_once(tiny_setup, tmp_path):
+    """Every COCO metric is -1 (pycocotools: no ground truth) for a val set whose images hold
+    no box, or only crowd ones: one warning says so, rather than a table of -1 alone."""
+    import logging
+
+    from detector.config import load_config
+    from detector.data import build_dataset
+    from detector.evaluation import evaluate
+    from detector.modeling import build_model
+
+    cfg, overrides, dataset = tiny_setup
+    root = Path(dataset.image_dir).parent
+    data = json.loads((root / "val.json").read_text())
+    model = build_model(cfg)
+    log = logging.getLogger("detector.evaluation.report")
+    for name, keep in (("boxes", lambda a: True), ("crowd", lambda a: a.update(iscrowd=1) or True),
+                       ("none", lambda a: False)):
+        variant = {**data, "annotations": [a for a in json.loads(json.dumps(data["annotations"])) if keep(a)]}
+        ann_file = tmp_path / f"{name}.json"
+        ann_file.write_text(json.dumps(variant))
+        val_cfg = load_config(TINY_CONFIG, [*overrides, "data.format=coco", f"data.val.root={root / 'val'}",
+                                            f"data.val.ann_file={ann_file}"])
+        seen: list = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: seen.append(record.getMessage())
+        log.addHandler(handler)
+        try:
+            metrics = evaluate(model, build_dataset(val_cfg, "val", is_train=False), val_cfg)
+        finally:
+            log.removeHandler(handler)
+        no_gt = [m for m in seen if "holds no box to score" in m]
+        if name == "boxes":
+            assert no_gt == [] and metrics["AR100"] >= 0
+        else:
+            assert no_gt == [f"{ann_file}: the val set holds no box to score (none, or crowd / difficult only): "
+                             "every COCO metric is -1 (no ground truth)"], name
+            assert metrics["AP"] == -1

@@ -41,7 +41,7 @@ from detector.messages import DetectorError, typed_first_line
 from ..distributed import all_gather_object, amp_dtype as resolve_amp_dtype, get_rank, get_world_size
 from .coco import COCO_METRIC_NAMES, coco_evaluate
 from .inference import LOSS_NAMES, compute_val_loss, run_inference
-from .iou import confusion_matrix, group_by_image, iou_metrics
+from .iou import confusion_matrix, group_by_image, iou_metrics, is_ignored
 from .plots import plot_confusion_matrix, plot_pr_curves
 from .eval_files import check_ground_truth
 from .results import Detections, as_detections, check_detection_ids, write_results_file
@@ -334,8 +334,12 @@ def evaluate(
     logger.info("images per rank: %s", [len(g[1]) for g in gathered])
     _check_coverage(list(dataset.image_ids), image_ids)
     results = _in_dataset_order([g[0] for g in gathered], list(dataset.image_ids))
+    gt = dataset.coco_gt()
+    if not any(not is_ignored(a) for a in gt["annotations"]):
+        logger.warning("%s: the val set holds no box to score (none, or crowd / difficult only): every COCO metric "
+                       "is -1 (no ground truth)", getattr(dataset, "source", "the val set"))
     report = score_detections(
-        dataset.coco_gt(),
+        gt,
         results,
         backend=cfg.eval.backend,
         voc_iou_thresh=cfg.eval.voc_iou_thresh,
