@@ -385,7 +385,8 @@ def test_empty_detections_through_every_metric(case_files, tmp_path):
 
 def test_a_val_set_without_boxes_is_said_once(tiny_setup, tmp_path):
     """Every COCO metric is -1 (pycocotools: no ground truth) for a val set whose images hold
-    no box, or only crowd ones: one warning says so, rather than a table of -1 alone."""
+    no box, or only crowd ones: one warning says so, rather than a table of -1 alone (also
+    for ``tools/eval.py --predictions``: ``score_detections`` says it)."""
     import logging
 
     from detector.config import load_config
@@ -417,6 +418,6 @@ def test_a_val_set_without_boxes_is_said_once(tiny_setup, tmp_path):
         if name == "boxes":
             assert no_gt == [] and metrics["AR100"] >= 0
         else:
-            assert no_gt == [f"{ann_file}: the val set holds no box to score (none, or crowd / difficult only): "
-                             "every COCO metric is -1 (no ground truth)"], name
+            assert no_gt == [f"{ann_file} holds no box to score (none, or crowd ones only): every COCO metric is -1 "
+                             "(no ground truth)"], name
             assert metrics["AP"] == -1

@@ -99,6 +99,7 @@ def score_file(args: argparse.Namespace) -> int:
         voc_iou_thresh=cfg.eval.voc_iou_thresh,
         score_thresh=cfg.eval.score_thresh,
         voc07_thresholds=cfg.eval.voc07_thresholds,
+        source=args.annotations or args.voc_root,
     )
     print(format_table(report.metrics, report.per_class))
     if args.output_dir:

@@ -41,7 +41,7 @@ from detector.messages import DetectorError, typed_first_line
 from ..distributed import all_gather_object, amp_dtype as resolve_amp_dtype, get_rank, get_world_size
 from .coco import COCO_METRIC_NAMES, coco_evaluate
 from .inference import LOSS_NAMES, compute_val_loss, run_inference
-from .iou import confusion_matrix, group_by_image, iou_metrics, is_ignored
+from .iou import confusion_matrix, group_by_image, iou_metrics
 from .plots import plot_confusion_matrix, plot_pr_curves
 from .eval_files import check_ground_truth
 from .results import Detections, as_detections, check_detection_ids, write_results_file
@@ -88,8 +88,11 @@ def score_detections(
     voc_iou_thresh: float = 0.5,
     score_thresh: float = 0.5,
     voc07_thresholds: str = "exact",
+    source: str = "the ground truth",
 ) -> ScoreReport:
     """COCO, VOC and IoU metrics of COCO-format ``results`` against a COCO-format ``gt``.
+    Where ``gt`` holds no box that COCO scores (none, or crowd ones only), every COCO
+    metric is -1: one warning, naming ``source``, says so.
 
     Args:
         gt: ground truth in original coordinates (``difficult``/``ignore`` flags used by
@@ -110,6 +113,9 @@ def score_detections(
             truth lacks.
     """
     image_ids, gt_cat_ids = check_ground_truth(gt)
+    if all(a.get("iscrowd", 0) for a in gt["annotations"]):
+        logger.warning("%s holds no box to score (none, or crowd ones only): every COCO metric is -1 (no ground "
+                       "truth)", source)
     dets = as_detections(results)
     check_detection_ids(dets, image_ids, gt_cat_ids)
     coco = coco_evaluate(gt, dets, backend=backend, check=False)
@@ -123,24 +129,20 @@ def score_detections(
     metrics["mAP_voc_area"] = mean_ap(voc, "area")
     metrics.update(iou_metrics(records.values(), score_thresh=score_thresh))
     confusion = confusion_matrix(records.values(), cat_ids, score_thresh=score_thresh, iou_thresh=0.5)
+    return ScoreReport(metrics, _per_class_rows(cat_ids, names, dets, coco, voc), voc, confusion, cat_ids, names)
+
+
+def _per_class_rows(cat_ids: List[int], names: List[str], dets: Detections, coco: Any,
+                    voc: Dict[int, VOCClassResult]) -> List[Dict[str, Any]]:
+    """One row per category: id, name, ground-truth and detection counts, COCO AP and
+    AP50 (-1 without ground truth), VOC07 and VOC area AP."""
     ids, counts = np.unique(dets.category_id, return_counts=True)
     num_det = {c: 0 for c in cat_ids}
     num_det.update(zip(ids.tolist(), counts.tolist()))
-    per_class = []
-    for cat, name in zip(cat_ids, names):
-        per_class.append(
-            {
-                "category_id": cat,
-                "name": name,
-                "num_gt": voc[cat].num_gt,
-                "num_det": num_det[cat],
-                "AP": coco.per_class_ap.get(cat, -1.0),
-                "AP50": coco.per_class_ap50.get(cat, -1.0),
-                "AP_voc07": voc[cat].ap_voc07,
-                "AP_voc_area": voc[cat].ap_area,
-            }
-        )
-    return ScoreReport(metrics, per_class, voc, confusion, cat_ids, names)
+    return [{"category_id": cat, "name": name, "num_gt": voc[cat].num_gt, "num_det": num_det[cat],
+             "AP": coco.per_class_ap.get(cat, -1.0), "AP50": coco.per_class_ap50.get(cat, -1.0),
+             "AP_voc07": voc[cat].ap_voc07, "AP_voc_area": voc[cat].ap_area}
+            for cat, name in zip(cat_ids, names)]
 
 
 # --------------------------------------------------------------------------- output
@@ -334,18 +336,9 @@ def evaluate(
     logger.info("images per rank: %s", [len(g[1]) for g in gathered])
     _check_coverage(list(dataset.image_ids), image_ids)
     results = _in_dataset_order([g[0] for g in gathered], list(dataset.image_ids))
-    gt = dataset.coco_gt()
-    if not any(not is_ignored(a) for a in gt["annotations"]):
-        logger.warning("%s: the val set holds no box to score (none, or crowd / difficult only): every COCO metric "
-                       "is -1 (no ground truth)", getattr(dataset, "source", "the val set"))
-    report = score_detections(
-        gt,
-        results,
-        backend=cfg.eval.backend,
-        voc_iou_thresh=cfg.eval.voc_iou_thresh,
-        score_thresh=cfg.eval.score_thresh,
-        voc07_thresholds=cfg.eval.voc07_thresholds,
-    )
+    report = score_detections(dataset.coco_gt(), results, backend=cfg.eval.backend,
+                              voc_iou_thresh=cfg.eval.voc_iou_thresh, score_thresh=cfg.eval.score_thresh,
+                              voc07_thresholds=cfg.eval.voc07_thresholds, source=getattr(dataset, "source", "the val set"))
     metrics = dict(report.metrics)
     if cfg.eval.compute_val_loss:
         metrics.update(_mean_val_losses([g[3] for g in gathered]))
