@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -308,3 +309,25 @@ def test_initial_weights_of_a_run_with_other_label_names_are_flagged(shapes, coc
         f"model.weights {weights}: its run named the labels otherwise (the same classes in another order; label 1 was "
         "'circle', here 'rectangle'): the box predictor is loaded label by label, so those classes start from another "
         "class's weights"]
+
+
+def test_resume_refuses_data_whose_labels_name_other_classes(shapes, coco_run, tmp_path, capsys):
+    # The training file's categories renumbered since the run started: resumed, the circles
+    # would go on training as label 2, which the checkpoint's predictor learnt as rectangles.
+    run = tmp_path / "run"
+    shutil.copytree(coco_run, run)
+    train = json.loads((shapes / "train.json").read_text())
+    renumber({1: 2, 2: 1, 3: 3})(train)
+    renumbered = tmp_path / "train_renumbered.json"
+    renumbered.write_text(json.dumps(train))
+    argv = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, shapes / "val.json"), f"data.train.ann_file={renumbered}",
+            f"train.output_dir={run}", "solver.max_iter=3", "--resume"]
+    assert load_tool("train").main(argv) == 1
+    last = run / "checkpoints" / "last.pth"
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --resume: {last}: label 1 is 'circle' in the run that wrote it but 'rectangle' in this "
+                      "run's data (data.class_names): resumed, each such label would train on another class; restore "
+                      "the data's categories, or start a new run from its weights (--weights)"]
+    # The same data resumes.
+    argv[argv.index(f"data.train.ann_file={renumbered}")] = f"data.train.ann_file={shapes / 'train.json'}"
+    assert load_tool("train").main(argv) == 0

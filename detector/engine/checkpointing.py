@@ -38,6 +38,7 @@ from detector.files import atomic_write
 from detector.engine.optim import WarmupLRScheduler
 from detector.engine.resume_checks import (
     CheckpointError,
+    check_class_names,
     check_loop_position,
     check_optimizer_state,
     check_rng_states,
@@ -384,6 +385,7 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
         load_weights(model, state["model"], strict=True, name=str(path))
     except WeightsError as exc:  # another architecture: names the first mismatched keys and shapes
         raise CheckpointError(f"--resume: {exc}") from None
+    check_class_names(state, path, cfg)
     check_loop_position(state, path, batches_per_epoch, world_size)
     check_rng_states(state, path, get_rng_state, set_rng_state)
     check_optimizer_state(state, optimizer, path)

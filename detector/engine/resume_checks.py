@@ -11,7 +11,8 @@ here runs before anything is restored:
 - each rank's RNG states (``rng.per_rank[r]``) restore: they are tried on this process
   and the current states put back (one mechanism for any malformed entry);
 - the optimizer state is of this run's optimizer type (recorded as ``optimizer_type``;
-  inferred from the parameter groups of older files) with the same parameter groups.
+  inferred from the parameter groups of older files) with the same parameter groups;
+- the labels name the classes they named in the run that wrote it (``check_class_names``).
 
 Also: ``warn_config_changes``, the warning that lists the keys a resumed run changes.
 """
@@ -27,6 +28,7 @@ import torch
 
 from detector.config import Config, ConfigError, config_from_dict, config_to_dict
 from detector.messages import DetectorError, first_line
+from detector.modeling.weights import trained_class_names
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +161,21 @@ def _diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[str]:
         elif va != vb:
             out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
     return out
+
+
+def check_class_names(state: Dict[str, Any], path: Path, cfg: Config) -> None:
+    """Refuse to resume a run whose labels would name other classes than in the run that
+    wrote ``state`` (its stored ``data.class_names`` against this run's, both contiguous
+    labels): the data's categories were renamed or renumbered since, and each label would
+    go on training on another class. (Another class count fails the model's fit first.)"""
+    trained, names = trained_class_names(state), list(cfg.data.class_names)
+    if cfg.data.label_space != "contiguous" or not trained or not names or trained == names:
+        return
+    label = next((i for i, (a, b) in enumerate(zip(trained, names), start=1) if a != b), min(len(trained), len(names)))
+    raise CheckpointError(
+        f"--resume: {path}: label {label} is {trained[label - 1]!r} in the run that wrote it but {names[label - 1]!r} "
+        "in this run's data (data.class_names): resumed, each such label would train on another class; restore "
+        "the data's categories, or start a new run from its weights (--weights)")
 
 
 def warn_config_changes(stored: Any, cfg: Config) -> None:
