@@ -20,6 +20,7 @@ from .classes import (
     check_val_classes,
     class_names_for,
     data_num_classes,
+    first_other_label,
     resolve_class_names,
     resolve_num_classes,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "check_data_paths",
     "coco_label_map",
     "data_num_classes",
+    "first_other_label",
     "load_image",
     "resolve_class_names",
     "resolve_num_classes",

@@ -172,12 +172,19 @@ def check_val_classes(cfg: Config, train_set: DetectionDataset) -> None:
                     "name the same class in both files")
         return
     names = coco_label_map(val_names, None, "contiguous", val_file)[0]
-    for label, (want, got) in enumerate(zip(train_set.class_names, names), start=1):
-        if want != got:
-            raise DataError(
-                f"{where}: label {label} (its categories sorted by id) is {got!r} there but {want!r} in the training "
-                f"set ({train_set.source}); its category names repeat, so the files are matched by id order: give "
-                "the categories distinct names, or the same ids in both files")
+    label = first_other_label(train_set.class_names, names)
+    if label is not None:
+        raise DataError(
+            f"{where}: label {label} (its categories sorted by id) is {names[label - 1]!r} there but "
+            f"{train_set.class_names[label - 1]!r} in the training set ({train_set.source}); its category names "
+            "repeat, so the files are matched by id order: give the categories distinct names, or the same ids in "
+            "both files")
+
+
+def first_other_label(names: Sequence[str], other: Sequence[str]) -> Optional[int]:
+    """The first label (1-based) that ``names`` and ``other`` name differently, among the
+    labels both have; None where they agree."""
+    return next((label for label, (a, b) in enumerate(zip(names, other), start=1) if a != b), None)
 
 
 def check_trained_classes(cfg: Config, trained: Sequence[str], names: Sequence[str], weights: str) -> None:
@@ -189,13 +196,11 @@ def check_trained_classes(cfg: Config, trained: Sequence[str], names: Sequence[s
     Raises:
         DataError: one line naming the weights, the first label that differs and both names.
     """
-    if cfg.data.label_space != "contiguous" or not trained or not names:
-        return
-    for label, (want, got) in enumerate(zip(trained, names), start=1):
-        if want != got:
-            raise DataError(f"--weights {weights}: label {label} is {want!r} in the run that trained it (its "
-                            f"data.class_names) but {got!r} in this config's data: use that run's config.yaml, or "
-                            "set data.class_names to the run's class names")
+    label = first_other_label(trained, names) if cfg.data.label_space == "contiguous" else None
+    if label is not None:
+        raise DataError(f"--weights {weights}: label {label} is {trained[label - 1]!r} in the run that trained it "
+                        f"(its data.class_names) but {names[label - 1]!r} in this config's data: use that run's "
+                        "config.yaml, or set data.class_names to the run's class names")
 
 
 def class_names_for(cfg: Config) -> List[str]:

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from detector.config import Config, ConfigError, config_from_dict, config_to_dict
+from detector.data.classes import first_other_label
 from detector.messages import DetectorError, first_line
 from detector.modeling.weights import trained_class_names
 
@@ -169,9 +170,9 @@ def check_class_names(state: Dict[str, Any], path: Path, cfg: Config) -> None:
     labels): the data's categories were renamed or renumbered since, and each label would
     go on training on another class. (Another class count fails the model's fit first.)"""
     trained, names = trained_class_names(state), list(cfg.data.class_names)
-    if cfg.data.label_space != "contiguous" or not trained or not names or trained == names:
+    label = first_other_label(trained, names) if cfg.data.label_space == "contiguous" else None
+    if label is None:
         return
-    label = next((i for i, (a, b) in enumerate(zip(trained, names), start=1) if a != b), min(len(trained), len(names)))
     raise CheckpointError(
         f"--resume: {path}: label {label} is {trained[label - 1]!r} in the run that wrote it but {names[label - 1]!r} "
         "in this run's data (data.class_names): resumed, each such label would train on another class; restore "

@@ -36,8 +36,8 @@ from typing import Any, Callable, List, Optional, Tuple
 from torch import nn
 
 from detector.config import Config, config_to_yaml, save_config
-from detector.data import (build_dataset, check_data_paths, check_val_classes, resolve_class_names,
-                           resolve_num_classes)
+from detector.data import (build_dataset, check_data_paths, check_val_classes, first_other_label,
+                           resolve_class_names, resolve_num_classes)
 from detector.data.loader import build_train_loader
 from detector.distributed import DistInfo, init_distributed, seed_everything
 from detector.engine.amp import AmpSettings, resolve_amp
@@ -231,10 +231,10 @@ def _warn_other_classes(trained: List[str], class_names: List[str], source: str)
     other classes (or the same ones in another order) than this run's: its box predictor
     is loaded label by label, so each class starts from another class's weights. (With
     another K the predictor starts fresh, and the load report says so.)"""
-    if not trained or len(trained) != len(class_names) or list(trained) == list(class_names):
+    label = first_other_label(trained, class_names) if len(trained) == len(class_names) else None
+    if label is None:
         return
     how = "the same classes in another order" if sorted(trained) == sorted(class_names) else "other classes"
-    label = next(i for i, (a, b) in enumerate(zip(trained, class_names), start=1) if a != b)
     logger.warning("model.weights %s: its run named the labels otherwise (%s; label %d was %r, here %r): the box "
                    "predictor is loaded label by label, so those classes start from another class's weights",
                    source, how, label, trained[label - 1], class_names[label - 1])
