@@ -7,6 +7,9 @@ Every ``tools/*.py`` ends its ``main`` with ``return run_tool(lambda: body(args)
   the builtin errors a bad user input raises from other libraries: a missing or
   unwritable path, a bad value, a missing optional package) prints ``error: <its first
   line>`` on stderr and exits with status 1;
+- running out of memory (torch's ``OutOfMemoryError`` on a GPU, a failed allocation on
+  the CPU) prints ``error: out of memory: <how much> ...; use smaller batches or images``
+  and exits with 1: the size of a batch or an image is an input like any other;
 - Ctrl-C (``KeyboardInterrupt``) prints ``error: <interrupted>`` and exits with 130;
   SIGTERM prints ``error: stopped by SIGTERM ...`` and exits with 143 (``Terminated``);
 - anything else is a bug: the traceback is printed as usual.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -34,6 +38,22 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 logger = logging.getLogger("detector.cli")
+
+
+OUT_OF_MEMORY_ADVICE = "use smaller batches or images (solver.images_per_gpu, eval.images_per_gpu, the input.* sizes)"
+
+
+def out_of_memory_line(exc: BaseException) -> Optional[str]:
+    """The one line for ``exc`` when it says that memory ran out (torch's
+    ``OutOfMemoryError``, whose class this bottom layer knows by name; the CPU
+    allocator's "can't allocate memory"); None for any other exception."""
+    text = first_line(exc)
+    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
+        return f"out of memory: {text.rstrip('. ')}; {OUT_OF_MEMORY_ADVICE}"
+    cpu = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text)
+    if cpu is None:
+        return None
+    return f"out of memory: the CPU could not allocate {int(cpu.group(1)) / 2**30:.1f} GiB; {OUT_OF_MEMORY_ADVICE}"
 
 
 def report_error(exc: BaseException, line: Optional[str] = None) -> int:
@@ -93,6 +113,11 @@ def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
             armed[0] = False
     except EXPECTED_ERRORS as exc:
         return report_error(exc)
+    except RuntimeError as exc:
+        line = out_of_memory_line(exc)
+        if line is None:
+            raise
+        return report_error(exc, line)
     except KeyboardInterrupt:
         print(f"error: {interrupted}", file=sys.stderr)
         return EXIT_INTERRUPTED

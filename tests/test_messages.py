@@ -1,6 +1,7 @@
 """detector/messages.py: the one line a library's exception contributes to a message."""
 
 import pytest
+import torch
 
 from detector.messages import first_line, typed_first_line
 
@@ -77,6 +78,19 @@ def test_run_tool_lets_bugs_through():
         run_tool(_raise(KeyError("boxes")))
     with pytest.raises(RuntimeError):
         run_tool(_raise(RuntimeError("CUDA error: an illegal memory access")))
+
+
+def test_running_out_of_memory_is_one_line(capsys):
+    # A real failed allocation on the CPU (2**62 bytes: on any machine), and torch's GPU
+    # out-of-memory error as the CUDA caching allocator raises it.
+    advice = "use smaller batches or images (solver.images_per_gpu, eval.images_per_gpu, the input.* sizes)"
+    assert run_tool(lambda: torch.empty(2**62, dtype=torch.uint8)) == 1
+    assert capsys.readouterr().err == f"error: out of memory: the CPU could not allocate 4294967296.0 GiB; {advice}\n"
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 "
+                                 "GiB of which 1.06 GiB is free.\nIf reserved but unallocated memory is large ...")
+    assert run_tool(_raise(gpu)) == 1
+    assert capsys.readouterr().err == ("error: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+                                       f"total capacity of 79.11 GiB of which 1.06 GiB is free; {advice}\n")
 
 
 def test_run_tool_sigterm_keeps_finished_files_and_leaves_no_partial_one(tmp_path, capsys):
