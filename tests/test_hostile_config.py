@@ -73,6 +73,25 @@ def test_config_file_without_settings_is_refused(train_tool, capsys, tmp_path, t
     assert load_config(write(tmp_path / "defaults.yaml", "{}\n")) == load_config(None)
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
+def test_config_file_in_any_unicode_encoding_reads_as_utf8(tmp_path, encoding):
+    """YAML text may be UTF-8 (a Windows editor adds a byte-order mark), UTF-16 or UTF-32;
+    each reads as its UTF-8 twin (the base chain and a non-ASCII value included)."""
+    text = f"base: {TINY_CONFIG}\nsolver:\n  max_iter: 7\ndata:\n  class_names: [katze, hund, \u732b]\n"
+    plain = write(tmp_path / "plain.yaml", text)
+    other = tmp_path / f"{encoding}.yaml"
+    other.write_bytes(text.encode(encoding))
+    assert load_config(other) == load_config(plain)
+    assert load_config(other).data.class_names == ["katze", "hund", "\u732b"]
+
+
+def test_config_file_that_is_not_text_is_one_line(train_tool, capsys, tmp_path):
+    cfg = tmp_path / "model.yaml"
+    cfg.write_bytes(bytes(range(128, 256)) * 4)  # e.g. a weights file given as --config
+    line = run_train(train_tool, capsys, cfg, output_dir=tmp_path / "run")
+    assert line == f"error: {cfg} is not a text file in utf-8 (invalid start byte at byte 0); a config is YAML text"
+
+
 @pytest.mark.parametrize("text", [
     "solver: " + "[" * 5000 + "]" * 5000 + "\n",
     "solver:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 5000)),

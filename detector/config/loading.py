@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
@@ -27,6 +28,26 @@ from .validation import ConfigError, auto_keys, check_keys, validate_config
 from .yaml_reader import YAMLRefused, load_yaml
 
 
+def _read_text(path: Path) -> str:
+    """A config file's text: UTF-8 (with or without a byte-order mark), or UTF-16 / UTF-32
+    as YAML allows, told apart by the byte-order mark or the zero bytes of the first
+    characters (``json.detect_encoding``, as the annotation files are read).
+
+    Raises:
+        ConfigError: unreadable, or not text in the detected encoding (e.g. a binary file).
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    encoding = json.detect_encoding(raw)
+    try:
+        return raw.decode(encoding)
+    except UnicodeError as exc:
+        raise ConfigError(f"{path} is not a text file in {encoding.removesuffix('-sig')} ({exc.reason} at byte "
+                          f"{exc.start}); a config is YAML text") from None
+
+
 def _read_yaml(path: Path, seen: Tuple[Path, ...] = ()) -> List[Tuple[dict, str]]:
     """Return the chain of YAML mappings to merge, the deepest ``base:`` first."""
     path = path.resolve()
@@ -36,7 +57,7 @@ def _read_yaml(path: Path, seen: Tuple[Path, ...] = ()) -> List[Tuple[dict, str]
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = load_yaml(path.read_text())
+        data = load_yaml(_read_text(path))
     except YAMLRefused as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
