@@ -258,6 +258,21 @@ def test_voc_duplicate_id_in_split_file(tmp_path):
         VOCDetection(root, "train", class_names=["cat", "dog"])
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+def test_voc_split_file_in_any_unicode_encoding(tmp_path, encoding):
+    """A split file saved as "Unicode" (UTF-16) or with a byte-order mark lists the same
+    ids; one that is no text is one line naming it (both were a UnicodeDecodeError)."""
+    root = make_voc(tmp_path, VOC_IMAGES)
+    split = root / "ImageSets/Main/train.txt"
+    plain = VOCDetection(root, "train", class_names=["cat", "dog"]).image_ids
+    split.write_bytes(split.read_text().encode(encoding))
+    assert VOCDetection(root, "train", class_names=["cat", "dog"]).image_ids == plain
+    split.write_bytes(bytes(range(200, 256)))
+    with pytest.raises(DataError) as err:
+        VOCDetection(root, "train", class_names=["cat", "dog"])
+    assert str(err.value) == f"VOC split file {split} is not valid utf-8 text (invalid continuation byte at byte 0)"
+
+
 def test_voc_image_ids_fallback():
     assert voc_image_ids(["000005", "000007"]) == [5, 7]
     assert voc_image_ids(["img_a", "img_b"]) == [1, 2]

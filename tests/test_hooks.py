@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import json
 import os
 import signal
 
@@ -457,3 +458,19 @@ def test_log_lines_are_wrapped_at_a_readable_width(tmp_path, capsys):
         assert len(lines) > 1 and all(len(line) <= LOG_WIDTH for line in lines), lines
         assert all(line.startswith("    ") for line in lines[1:])
         assert " ".join(text.split()).endswith(" ".join(" ".join(words).split()))
+
+
+def test_metrics_file_keeps_its_records_up_to_the_resumed_iteration(tmp_path):
+    """On a resume, metrics.jsonl keeps the records up to the checkpoint's iteration and
+    drops the rest, and any line that is no record: cut by a crash, bytes that are no text
+    (garbage left by a power loss), JSON that is no object or whose iteration is no number."""
+    path = tmp_path / "metrics.jsonl"
+    good = [{"iteration": i, "loss": 0.5} for i in (1, 2, 3)]
+    lines = [json.dumps(good[0]).encode(), b'{"iteration": 2, "lo', json.dumps(good[1]).encode(), b"\xff\xfe\x00garbage",
+             b"[1, 2]", b"7", b'{"iteration": "2"}', json.dumps({"type": "eval", "AP": 0.1}).encode(),
+             json.dumps(good[2]).encode(), b"\x00" * 40]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    writer = JSONLWriter(path)
+    assert writer.truncate_after(2) == 7
+    assert read_jsonl(path) == [good[0], good[1], {"type": "eval", "AP": 0.1}]
+    assert writer.truncate_after(2) == 0  # what is left is all records

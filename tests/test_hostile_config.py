@@ -89,7 +89,7 @@ def test_config_file_that_is_not_text_is_one_line(train_tool, capsys, tmp_path):
     cfg = tmp_path / "model.yaml"
     cfg.write_bytes(bytes(range(128, 256)) * 4)  # e.g. a weights file given as --config
     line = run_train(train_tool, capsys, cfg, output_dir=tmp_path / "run")
-    assert line == f"error: {cfg} is not a text file in utf-8 (invalid start byte at byte 0); a config is YAML text"
+    assert line == f"error: {cfg} is not valid utf-8 text (invalid start byte at byte 0); a config is YAML text"
 
 
 @pytest.mark.parametrize("text", [

@@ -44,7 +44,7 @@ def _read_text(path: Path) -> str:
     try:
         return raw.decode(encoding)
     except UnicodeError as exc:
-        raise ConfigError(f"{path} is not a text file in {encoding.removesuffix('-sig')} ({exc.reason} at byte "
+        raise ConfigError(f"{path} is not valid {encoding.removesuffix('-sig')} text ({exc.reason} at byte "
                           f"{exc.start}); a config is YAML text") from None
 
 

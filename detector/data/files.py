@@ -34,20 +34,35 @@ def read_json_bytes(path: str, what: str) -> bytes:
         FileNotFoundError: no such file.
         DataError: unreadable, or not text in the detected encoding.
     """
+    raw = _file_bytes(path, what)
+    encoding = json.detect_encoding(raw)
+    return raw if encoding == "utf-8" else _decoded(raw, encoding, path, what).encode("utf-8")
+
+
+def read_text_file(path: str | os.PathLike, what: str) -> str:
+    """The text of file ``path`` (a list of ids, ...), in UTF-8 with or without a
+    byte-order mark, UTF-16 or UTF-32, told apart as ``read_json_bytes`` does (a Windows
+    editor's "Unicode" is UTF-16). Errors as ``read_json_bytes``'."""
+    raw = _file_bytes(path, what)
+    return _decoded(raw, json.detect_encoding(raw), path, what)
+
+
+def _file_bytes(path: str | os.PathLike, what: str) -> bytes:
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            return f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} not found: {path}") from None
     except OSError as exc:
         raise DataError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
-    encoding = json.detect_encoding(raw)
-    if encoding == "utf-8":
-        return raw
+
+
+def _decoded(raw: bytes, encoding: str, path: str | os.PathLike, what: str) -> str:
     try:
-        return raw.decode(encoding).encode("utf-8")
+        return raw.decode(encoding)
     except UnicodeError as exc:
-        raise DataError(f"{what} {path} is not valid {encoding} text ({exc.reason} at byte {exc.start})") from None
+        raise DataError(f"{what} {path} is not valid {encoding.removesuffix('-sig')} text ({exc.reason} at byte "
+                        f"{exc.start})") from None
 
 
 def to_rgb8(img: Image.Image, what: str) -> np.ndarray:

@@ -37,6 +37,7 @@ import numpy as np
 
 from .coco import parse_coco
 from .dataset import Issues
+from .files import read_text_file
 from .schema import load_coco_json, raise_error
 from .voc_xml import read_voc_xml
 from detector.files import write_text
@@ -211,7 +212,8 @@ def read_voc_images(root: str | os.PathLike, split: Optional[str] = None) -> Lab
         split_file = root / "ImageSets" / "Main" / f"{split}.txt"
         if not split_file.is_file():
             raise FileNotFoundError(f"VOC split file not found: {split_file}")
-        ids = list(dict.fromkeys(line.split()[0] for line in split_file.read_text().splitlines() if line.strip()))
+        ids = list(dict.fromkeys(line.split()[0] for line in read_text_file(split_file, "VOC split file").splitlines()
+                                 if line.strip()))
     else:
         ids = sorted(p.stem for p in (root / "Annotations").glob("*.xml"))
         if not ids:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
-from .files import DataError, path_within
+from .files import DataError, path_within, read_text_file
 from .schema import VocObject
 from .voc_xml import read_voc_xml
 
@@ -48,7 +48,7 @@ def _voc_split_ids(split_file: Path, issues: Issues) -> List[str]:
     """
     if not split_file.is_file():
         raise FileNotFoundError(f"VOC split file not found: {split_file}")
-    ids = [line.split()[0] for line in split_file.read_text().splitlines() if line.strip()]
+    ids = [line.split()[0] for line in read_text_file(split_file, "VOC split file").splitlines() if line.strip()]
     counts = Counter(ids)
     for name, n in counts.items():
         if n > 1:

@@ -153,20 +153,22 @@ class JSONLWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def truncate_after(self, iteration: int) -> int:
-        """Keep lines with ``iteration <= iteration``; returns how many were dropped."""
+        """Keep the records with ``iteration <= iteration``; returns how many lines were
+        dropped: those past it, and any line that is no record (cut by a crash, or bytes
+        that are no text: a file system may leave garbage at the end after a power loss)."""
         if not self.path.exists():
             return 0
         kept: List[str] = []
         dropped = 0
-        for line in self.path.read_text().splitlines():
+        for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
             if not line.strip():
                 continue
             try:
-                it = json.loads(line).get("iteration", 0)
-            except json.JSONDecodeError:  # a line cut by a crash
-                dropped += 1
-                continue
-            if it <= iteration:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            it = record.get("iteration", 0) if isinstance(record, dict) else None
+            if isinstance(it, (int, float)) and it <= iteration:
                 kept.append(line)
             else:
                 dropped += 1
