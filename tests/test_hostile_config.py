@@ -85,6 +85,23 @@ def test_config_file_in_any_unicode_encoding_reads_as_utf8(tmp_path, encoding):
     assert load_config(other).data.class_names == ["katze", "hund", "\u732b"]
 
 
+def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
+    """``~`` in a YAML file, or after ``key=`` on a command line, reaches no shell: the path
+    keys expand it (the data paths, the run folder, the record cache, the weights); other
+    keys and a ``~`` inside a path are left as they are."""
+    monkeypatch.setenv("HOME", str(tmp_path / "me"))
+    cfg = load_config(write(tmp_path / "c.yaml", "data:\n  train: {root: ~/coco/train2017, ann_file: ~/coco/a.json}\n"
+                            "  cache_dir: ~/cache\ntrain:\n  output_dir: ~/runs/x\n"),
+                      ["data.val.root=~/coco/val2017", "model.weights=~/w.pth", "data.val.ann_file=a~/b.json",
+                       "data.val.split=~/not/a/path"])
+    home = tmp_path / "me"
+    assert (cfg.data.train.root, cfg.data.train.ann_file, cfg.data.val.root) == (
+        f"{home}/coco/train2017", f"{home}/coco/a.json", f"{home}/coco/val2017")
+    assert (cfg.data.cache_dir, cfg.train.output_dir, cfg.model.weights) == (f"{home}/cache", f"{home}/runs/x",
+                                                                            f"{home}/w.pth")
+    assert cfg.data.val.ann_file == "a~/b.json" and cfg.data.val.split == "~/not/a/path"
+
+
 def test_config_file_that_is_not_text_is_one_line(train_tool, capsys, tmp_path):
     cfg = tmp_path / "model.yaml"
     cfg.write_bytes(bytes(range(128, 256)) * 4)  # e.g. a weights file given as --config

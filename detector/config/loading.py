@@ -167,8 +167,21 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Li
         out: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:  # e.g. a missing mandatory value
         raise ConfigError(first_line(exc)) from None
+    _expand_home(out)
     validate_config(out)
     return out
+
+
+def _expand_home(cfg: Any) -> None:
+    """A leading ``~`` (or ``~user``) of a path key (``field_(path=True)``) becomes the
+    home folder, in place: a YAML file is no shell, nor is ``key=~/x`` on a command line
+    (a shell expands ``~`` at the start of a word only)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            _expand_home(value)
+        elif f.metadata.get("path") and isinstance(value, str) and value.startswith("~"):
+            setattr(cfg, f.name, os.path.expanduser(value))
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -29,6 +29,7 @@ def field_(
     lt: Optional[float] = None,
     note: str = "",
     auto: bool = False,
+    path: bool = False,
 ) -> Any:
     """A dataclass field with its allowed values as metadata.
 
@@ -39,8 +40,10 @@ def field_(
             an Optional key (it means ``auto`` or "unset").
         note: words after the range in the error message, e.g. "(0 disables it)".
         auto: the key takes ``auto`` in YAML and overrides, stored as None.
+        path: the key names a file or folder: a leading ``~`` is the home folder.
     """
-    metadata = {"choices": tuple(choices), "ge": ge, "gt": gt, "le": le, "lt": lt, "note": note, "auto": auto}
+    metadata = {"choices": tuple(choices), "ge": ge, "gt": gt, "le": le, "lt": lt, "note": note, "auto": auto,
+                "path": path}
     return field(default=default, metadata=metadata)
 
 
@@ -74,7 +77,7 @@ class ModelConfig:
     backbone_weights: str = ""
     # Whole-model weights: a local checkpoint path or a torchvision weights name
     # (e.g. "FasterRCNN_ResNet50_FPN_Weights.COCO_V1"); "" = none.
-    weights: str = ""
+    weights: str = field_("", path=True)
     # Normalisation, on the 0..1 scale, applied inside the model.
     pixel_mean: List[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     pixel_std: List[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
@@ -150,8 +153,8 @@ class SplitConfig:
     # shapes: the folder written by detector.data.shapes and the split name.
     # Each format reads only its own keys (ann_file: COCO only; split: VOC and shapes), so a
     # key inherited from a base config of another format is not read.
-    root: str = ""
-    ann_file: str = ""
+    root: str = field_("", path=True)
+    ann_file: str = field_("", path=True)
     split: str = ""
 
 
@@ -185,7 +188,7 @@ class DataConfig:
     # <train.output_dir>/cache in a distributed run (more than one rank), none in one
     # process; "": never; a folder: always (reused by later runs while the annotation
     # file and the data.* keys that shape the records are unchanged).
-    cache_dir: str = "auto"
+    cache_dir: str = field_("auto", path=True)
     # Images with an EXIF orientation (a camera's rotation): false reads the pixels as
     # stored (with a warning naming the file), true turns them as viewers show them, for
     # boxes annotated on the displayed image (sizes are then checked on the turned image).
@@ -311,7 +314,7 @@ class EarlyStopConfig:
 
 @dataclass
 class TrainConfig:
-    output_dir: str = "runs/default"
+    output_dir: str = field_("runs/default", path=True)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto: NCCL on CUDA, gloo on CPU. gloo on CUDA lets ranks share GPUs (rank r on
     # cuda:(LOCAL_RANK mod GPU count)), e.g. to test DDP + SyncBN on one GPU.
