@@ -193,6 +193,12 @@ def test_one_line_errors(model, images, tmp_path, monkeypatch):
     if HAS_ORT:
         with pytest.raises(ExportError, match="--opset must be >= 11"):
             export_model(model, "onnx", tmp_path / "m.onnx", images[0], opset=10)
+        # An opset newer than torch's exporter knows (it raised a traceback).
+        with pytest.raises(ExportError, match=r"^--opset 1000: torch \S+ cannot export it \(Unsupported "
+                                              r"(?i:onnx[_ ]opset[_ ]version): 1000\); use a lower opset \(the "
+                                              r"default is 17\)$"):  # torch's words vary by version
+            export_model(model, "onnx", tmp_path / "m.onnx", images[0], opset=1000)
+        assert not (tmp_path / "m.onnx").exists()
     with pytest.raises(ExportError, match="exported file not found"):
         verify_export(model, "torchscript", tmp_path / "absent.pt", images)
     (tmp_path / "junk.pt").write_bytes(b"not a model")

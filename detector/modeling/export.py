@@ -157,12 +157,18 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
             raise ExportError(f"--opset must be >= 11 (NMS and RoIAlign), got {opset}")
         if model.roi_heads.box_roi_pool.aligned and opset < 16:  # older RoiAlign has no half-pixel mode
             raise ExportError(f"roi_heads.aligned=true needs --opset >= 16, got {opset}")
-        torch.onnx.export(
-            wrapper, (example,), buffer, dynamo=False, opset_version=opset,
-            input_names=["image"], output_names=["boxes", "scores", "labels"],
-            dynamic_axes={"image": {1: "height", 2: "width"}, "boxes": {0: "detections"},
-                          "scores": {0: "detections"}, "labels": {0: "detections"}},
-        )
+        try:
+            torch.onnx.export(
+                wrapper, (example,), buffer, dynamo=False, opset_version=opset,
+                input_names=["image"], output_names=["boxes", "scores", "labels"],
+                dynamic_axes={"image": {1: "height", 2: "width"}, "boxes": {0: "detections"},
+                              "scores": {0: "detections"}, "labels": {0: "detections"}},
+            )
+        except (RuntimeError, ValueError) as exc:  # an opset newer than this torch's exporter knows
+            if "opset" not in str(exc).lower():
+                raise
+            raise ExportError(f"--opset {opset}: torch {torch.__version__} cannot export it ({first_line(exc)}); "
+                              f"use a lower opset (the default is {DEFAULT_OPSET})") from None
     import onnx  # optional dependency, checked by require_onnx
 
     proto = onnx.load_from_string(buffer.getvalue())
