@@ -161,6 +161,18 @@ def test_infer_writes_one_annotated_image_per_input(tmp_path):
     assert rc == 1
 
 
+@pytest.mark.parametrize("value", ["2", "-0.1", "nan", "inf"])
+def test_infer_score_thresh_outside_0_1_is_a_usage_error(value, capsys):
+    tool = load_tool("infer")
+    with pytest.raises(SystemExit) as exit_:
+        tool.parse_args(["--config", "c.yaml", "--weights", "w.pth", "--input", "x", "--output-dir", "o",
+                         "--score-thresh", value])
+    assert exit_.value.code == 2
+    assert f"error: --score-thresh must be in [0, 1], got {float(value)}" in capsys.readouterr().err
+    assert tool.parse_args(["--config", "c", "--weights", "w", "--input", "x", "--output-dir", "o",
+                            "--score-thresh", "1"]).score_thresh == 1.0
+
+
 def test_infer_reads_exif_orientation_as_the_data_sets_do(tmp_path, caplog):
     """A JPEG stored 60x100 with EXIF orientation 6 (viewers turn it a quarter): with
     data.apply_exif=true, tools/infer.py reads it turned, as training and evaluation do

@@ -35,7 +35,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--output-dir", required=True, help="where to write annotated images and detections.json")
     p.add_argument("--score-thresh", type=float, default=0.5, help="draw detections with score >= this (default 0.5)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0.0 <= args.score_thresh <= 1.0:  # NaN too: scores are probabilities
+        p.error(f"--score-thresh must be in [0, 1], got {args.score_thresh} (above 1 or NaN would draw nothing)")
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:
