@@ -58,7 +58,11 @@ def test_grid_is_one_file_of_the_expected_size(data_root, tmp_path):
     assert rows * (320 + 4) <= h <= rows * (320 + 4 + 3 * 21)  # the legend bands under the images
 
 
-def test_bad_num_is_one_line(data_root, tmp_path, capsys):
+def test_bad_num_or_epoch_is_one_line(data_root, tmp_path, capsys):
     assert _run(data_root, tmp_path, "--num", "0") == 1
     err = capsys.readouterr().err.strip()
     assert err == "error: --num must be at least 1, got 0"
+    assert _run(data_root, tmp_path, "--epoch", "-1") == 1  # it drew an order no training epoch has
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --epoch must be at least 0 (the first epoch), got -1"
+    assert not list(tmp_path.glob("*.png"))
