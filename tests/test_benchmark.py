@@ -10,15 +10,16 @@ import mmap
 
 import pytest
 import torch
+import yaml
 
 from detector.config import load_config
-from benchmarks import gpu_check, run_benchmark
+from benchmarks import gpu_check, run_benchmark, static_accuracy
 from benchmarks.profiling import DENSE_OPS, profile_train_step
 from benchmarks.memory import peak_memory_bytes, reset_peak_memory
 from benchmarks.tasks import benchmark_eval
 from benchmarks.timing import summarize_times
 from benchmarks.torchvision_ref import build_torchvision_model
-from conftest import load_tool
+from conftest import TINY_CONFIG, load_tool, tiny_overrides
 
 from conftest import ROOT  # noqa: E402
 # configs/tiny_cpu.yaml on purpose: the CPU example config in the benchmark tool's usage
@@ -277,3 +278,17 @@ def test_infer_profile_json(tmp_path, restore_threads, capsys):
     assert "one inference batch" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--profile applies to --task train or infer"):
         run_benchmark(load_config(None), "data", profile=True)
+
+
+def test_static_accuracy_trains_both_steps_per_seed(tmp_path):
+    data = tmp_path / "data"
+    report = static_accuracy.main(["--config", str(TINY_CONFIG), "--seeds", "0", "--out", str(tmp_path / "out"),
+                                   *tiny_overrides(data), "solver.max_iter=2", "model.canvas_sizes=[[96,96]]"])
+    assert [(r["arm"], r["seed"]) for r in report["runs"]] == [("eager", 0), ("static", 0)]
+    saved = json.loads((tmp_path / "out" / "static_accuracy.json").read_text())
+    assert saved["summary"]["static_minus_eager"] == pytest.approx(
+        report["runs"][1]["AP"] - report["runs"][0]["AP"])
+    for arm, static in (("eager", False), ("static", True)):
+        cfg = yaml.safe_load((tmp_path / "out" / f"{arm}_0" / "config.yaml").read_text())
+        assert cfg["train"]["static_step"] is static and cfg["train"]["seed"] == 0
+        assert (tmp_path / "out" / f"{arm}_0" / "checkpoints" / "last.pth").is_file()
