@@ -147,28 +147,14 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
         warnings.filterwarnings("ignore", message="The feature will be removed.*", category=DeprecationWarning)
         # The indices of every advanced indexing are non-negative (from torch.where, labels).
         warnings.filterwarnings("ignore", message=".*aten::index operator of advanced indexing.*")
+        # An opset newer than the exporter knows: it warns, then raises (_trace_onnx says it in one line).
+        warnings.filterwarnings("ignore", message=".*opset version .* is not supported.*")
         buffer = io.BytesIO()
         if fmt == "torchscript":
             torch.jit.save(torch.jit.trace(wrapper, (example,), check_trace=False), buffer)
             write_bytes(path, buffer.getvalue())
             return
-        require_onnx()
-        if opset < 11:
-            raise ExportError(f"--opset must be >= 11 (NMS and RoIAlign), got {opset}")
-        if model.roi_heads.box_roi_pool.aligned and opset < 16:  # older RoiAlign has no half-pixel mode
-            raise ExportError(f"roi_heads.aligned=true needs --opset >= 16, got {opset}")
-        try:
-            torch.onnx.export(
-                wrapper, (example,), buffer, dynamo=False, opset_version=opset,
-                input_names=["image"], output_names=["boxes", "scores", "labels"],
-                dynamic_axes={"image": {1: "height", 2: "width"}, "boxes": {0: "detections"},
-                              "scores": {0: "detections"}, "labels": {0: "detections"}},
-            )
-        except (RuntimeError, ValueError) as exc:  # an opset newer than this torch's exporter knows
-            if "opset" not in str(exc).lower():
-                raise
-            raise ExportError(f"--opset {opset}: torch {torch.__version__} cannot export it ({first_line(exc)}); "
-                              f"use a lower opset (the default is {DEFAULT_OPSET})") from None
+        _trace_onnx(wrapper, example, buffer, opset)
     import onnx  # optional dependency, checked by require_onnx
 
     proto = onnx.load_from_string(buffer.getvalue())
@@ -179,6 +165,29 @@ def export_model(model: FasterRCNN, fmt: str, path: str | os.PathLike, example: 
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         raise ExportError(f"the ONNX file {path} is not valid: {first_line(exc)}") from None
     write_bytes(path, proto.SerializeToString())
+
+
+def _trace_onnx(wrapper: DetectorForExport, example: Tensor, buffer: io.BytesIO, opset: int) -> None:
+    """``torch.onnx.export`` of ``wrapper`` into ``buffer`` (the legacy TorchScript-based
+    exporter: torchvision's NMS and RoIAlign), after the opset checks; an opset newer than
+    this torch's exporter knows is one line. Called inside ``export_model``'s warning filters."""
+    require_onnx()
+    if opset < 11:
+        raise ExportError(f"--opset must be >= 11 (NMS and RoIAlign), got {opset}")
+    if wrapper.model.roi_heads.box_roi_pool.aligned and opset < 16:  # older RoiAlign has no half-pixel mode
+        raise ExportError(f"roi_heads.aligned=true needs --opset >= 16, got {opset}")
+    try:
+        torch.onnx.export(
+            wrapper, (example,), buffer, dynamo=False, opset_version=opset,
+            input_names=["image"], output_names=["boxes", "scores", "labels"],
+            dynamic_axes={"image": {1: "height", 2: "width"}, "boxes": {0: "detections"},
+                          "scores": {0: "detections"}, "labels": {0: "detections"}},
+        )
+    except (RuntimeError, ValueError) as exc:
+        if "opset" not in str(exc).lower():
+            raise
+        raise ExportError(f"--opset {opset}: torch {torch.__version__} cannot export it ({first_line(exc)}); "
+                          f"use a lower opset (the default is {DEFAULT_OPSET})") from None
 
 
 def export_metadata(class_names: Sequence[str], min_size_test: int, max_size_test: int) -> Dict[str, str]:
