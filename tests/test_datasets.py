@@ -13,6 +13,7 @@ from PIL import Image
 from pycocotools.coco import COCO
 
 from detector.config import load_config
+from detector.data.check import check_dataset
 from detector.data import CocoDetection, DataError, VOCDetection, build_dataset
 from detector.data.voc import voc_image_ids
 
@@ -175,6 +176,27 @@ def test_duplicate_image_id_error(tmp_path):
     ]
     with pytest.raises(DataError, match=r"image_id 10 appears twice \('a\.jpg' and 'b\.jpg'\)"):
         CocoDetection(*make_coco(tmp_path, images=images, annotations=[]))
+
+
+@pytest.mark.parametrize("second", ["a.jpg", "./a.jpg", "sub/../a.jpg"])
+def test_two_entries_of_one_image_file_are_an_error(tmp_path, second):
+    """Two annotation jobs merged without merging their images (one entry per class):
+    each entry would train the other's boxes as background."""
+    images = [{"id": 10, "file_name": "a.jpg", "width": 40, "height": 30},
+              {"id": 11, "file_name": second, "width": 40, "height": 30}]
+    anns = [{"id": 1, "image_id": 10, "category_id": 1, "bbox": [2, 3, 10, 5], "iscrowd": 0},
+            {"id": 2, "image_id": 11, "category_id": 7, "bbox": [20, 4, 8, 12], "iscrowd": 0}]
+    img_dir, ann_file = make_coco(tmp_path, images=images[:1], annotations=[])
+    ann_file.write_text(json.dumps({"images": images, "annotations": anns,
+                                    "categories": [{"id": 1, "name": "person"}, {"id": 7, "name": "train"}]}))
+    with pytest.raises(DataError) as err:
+        CocoDetection(img_dir, ann_file)
+    assert str(err.value) == (f"annotation file {ann_file}: image_ids 10 and 11 both name the file {second!r}: one image "
+                              "takes one entry (each entry's boxes would be background to the other); merge their "
+                              "annotations")
+    report = check_dataset(load_config(None, ["data.format=coco", f"data.train.root={img_dir}",
+                                              f"data.train.ann_file={ann_file}"]))
+    assert str(err.value) in report.errors
 
 
 def test_empty_after_filtering_error(tmp_path):

@@ -95,21 +95,31 @@ def _coco_images(
 ) -> Tuple[List[CocoImage], Dict[int, str]]:
     """The valid ``images`` entries (types and sizes already checked by the schema):
     ``file_name`` inside ``image_dir``, unique id (pycocotools would silently keep the
-    last one). Each invalid entry is an error in ``issues`` and left out.
+    last one), a file no other entry names (two entries of one image, as merging two
+    annotation jobs leaves them, would each train the other's boxes as background).
+    Each invalid entry is an error in ``issues`` and left out.
 
     Returns ``(good_images, seen)``: the valid entries in file order, and their
     ``file_name`` by image id.
     """
     seen: Dict[int, str] = {}
+    by_file: Dict[str, int] = {}
     good_images = []
     for img in images:
-        if path_within(str(image_dir), img.file_name) is None:
+        path = path_within(str(image_dir), img.file_name)
+        if path is None:
             issues.error(f"annotation file {ann_file}: image_id {img.id}: file_name {img.file_name!r} "
                          f"resolves outside the image root {image_dir}")
             continue
         if img.id in seen:
             issues.error(f"annotation file {ann_file}: image_id {img.id} appears twice "
                          f"({seen[img.id]!r} and {img.file_name!r})")
+            continue
+        first = by_file.setdefault(os.path.normpath(path), img.id)
+        if first != img.id:
+            issues.error(f"annotation file {ann_file}: image_ids {first} and {img.id} both name the file "
+                         f"{img.file_name!r}: one image takes one entry (each entry's boxes would be background to "
+                         "the other); merge their annotations")
             continue
         seen[img.id] = img.file_name
         good_images.append(img)
