@@ -40,6 +40,14 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM
 logger = logging.getLogger("detector.cli")
 
 
+def user_path(text: str) -> str:
+    """``argparse`` type of every path argument: a leading ``~`` or ``~user`` is that home
+    folder, as a shell would make it. The shell does not expand ``--output-dir=~/runs``
+    (the ``=`` form), nor a quoted ``"~/runs"``; config values get the same expansion
+    (``detector.config``'s path keys)."""
+    return os.path.expanduser(text)
+
+
 OUT_OF_MEMORY_ADVICE = "use smaller batches or images (solver.images_per_gpu, eval.images_per_gpu, the input.* sizes)"
 
 

@@ -102,6 +102,36 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch)
     assert cfg.data.val.ann_file == "a~/b.json" and cfg.data.val.split == "~/not/a/path"
 
 
+# Every path option of every tool, in the "--option=~/..." form that no shell expands.
+TOOL_PATH_OPTIONS = {
+    "train": ["--config", "--output-dir", "--resume", "--weights"],
+    "eval": ["--predictions", "--annotations", "--output-dir", "--image-dir"],
+    "infer": ["--config", "--weights", "--input", "--output-dir"],
+    "export": ["--config", "--weights", "--output", "--image"],
+    "check_dataset": ["--config"],
+    "browse_dataset": ["--config", "--output-dir"],
+    "summary": ["--config", "--json"],
+    "split_dataset": ["--annotations", "--out"],
+    "make_shapes": ["--out"],
+    "benchmark": ["--config", "--gt", "--results", "--records-file", "--json"],
+}
+EXTRA_ARGS = {"split_dataset": ["--fractions", "0.8", "0.2"], "export": ["--format", "onnx"], "benchmark": ["--task", "eval"]}
+
+
+@pytest.mark.parametrize("tool", sorted(TOOL_PATH_OPTIONS))
+def test_a_leading_tilde_in_a_tool_path_option_is_the_home_folder(tool, tmp_path, monkeypatch):
+    """``--output-dir=~/runs`` reaches the tool as written (a shell expands ``~`` only at
+    the start of a word): every path option expands it, as the config's path keys do."""
+    monkeypatch.setenv("HOME", str(tmp_path / "me"))
+    options = TOOL_PATH_OPTIONS[tool]
+    argv = [f"{opt}=~/{opt.strip('-')}" for opt in options] + EXTRA_ARGS.get(tool, [])
+    args = load_tool(tool).parse_args(argv)
+    for opt in options:
+        dest = opt.strip("-").replace("-", "_")
+        value = getattr(args, "json_out" if (tool, dest) == ("benchmark", "json") else dest)
+        assert value == f"{tmp_path}/me/{opt.strip('-')}", (tool, opt)
+
+
 def test_config_file_that_is_not_text_is_one_line(train_tool, capsys, tmp_path):
     cfg = tmp_path / "model.yaml"
     cfg.write_bytes(bytes(range(128, 256)) * 4)  # e.g. a weights file given as --config

@@ -28,7 +28,7 @@ from _bootstrap import ROOT  # first: environment and sys.path, see tools/_boots
 from benchmarks import TASKS, format_summary, run_benchmark  # noqa: E402
 from benchmarks.scaling import ScalingSweep  # noqa: E402
 from benchmarks.static_check import format_static_check, static_check  # noqa: E402
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.files import write_text  # noqa: E402
 
@@ -37,7 +37,8 @@ DEMO_CONFIG = ROOT / "configs" / "demo_shapes.yaml"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config (required, except --task time-to-accuracy: default configs/demo_shapes.yaml)")
+    p.add_argument("--config", type=user_path,
+                   help="YAML config (required, except --task time-to-accuracy: default configs/demo_shapes.yaml)")
     p.add_argument("--task", required=True, choices=(*TASKS, "static-check"))
     p.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
@@ -51,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torchvision-options", action="store_true",
                    help="give torchvision's model our train.* speed options too (default: its defaults)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: PyTorch's choice)")
-    p.add_argument("--gt", help="eval: COCO ground-truth JSON (default: a synthetic set)")
-    p.add_argument("--results", help="eval: COCO results JSON matching --gt")
+    p.add_argument("--gt", type=user_path, help="eval: COCO ground-truth JSON (default: a synthetic set)")
+    p.add_argument("--results", type=user_path, help="eval: COCO results JSON matching --gt")
     p.add_argument("--eval-images", type=int, default=500, help="eval: images of the generated case (default 500)")
     p.add_argument("--eval-boxes", type=int, default=30, help="eval: objects and detections per image (default 30)")
     p.add_argument("--budget-s", type=float, default=300.0,
@@ -63,13 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="scaling: ddp_gradient_as_bucket_view values swept (default false,true)")
     p.add_argument("--compile-backend", default="inductor",
                    help="static-check: torch.compile backend (default inductor; aot_eager: the same graphs, no codegen)")
-    p.add_argument("--records-file", help="data: measure the records of this COCO file (images need not exist): "
+    p.add_argument("--records-file", type=user_path,
+                   help="data: measure the records of this COCO file (images need not exist): "
                                            "parse time and peak memory, a worker's memory reading every record, "
                                            "2 ranks x data.num_workers workers")
     p.add_argument("--node-ranks", type=int, default=0,
                    help="data, with --records-file: N ranks on this machine each parsing it, against one parse "
                         "shared through a memory-mapped record file (data.cache_dir); default 0: not run")
-    p.add_argument("--json", dest="json_out", help="write the full result here")
+    p.add_argument("--json", type=user_path, dest="json_out", help="write the full result here")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args(argv)
     if args.config is None:

@@ -17,15 +17,15 @@ from typing import List, Optional
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.evaluation.browse import browse_dataset  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML config")
-    p.add_argument("--output-dir", required=True, help="where to write the PNGs")
+    p.add_argument("--config", type=user_path, required=True, help="YAML config")
+    p.add_argument("--output-dir", type=user_path, required=True, help="where to write the PNGs")
     p.add_argument("--num", type=int, default=8, help="how many samples (default 8)")
     p.add_argument("--grid", action="store_true", help="one grid.png instead of one file per sample")
     p.add_argument("--epoch", type=int, default=0, help="the epoch whose samples to draw (default 0)")

@@ -13,14 +13,14 @@ from typing import Optional, Sequence
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.data.check import check_dataset, format_report  # noqa: E402
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Check a detection data set named by a config.")
-    parser.add_argument("--config", required=True, help="YAML config")
+    parser.add_argument("--config", type=user_path, required=True, help="YAML config")
     parser.add_argument("--split", default="train", choices=["train", "val"],
                         help="which of data.train / data.val to check (default: train)")
     parser.add_argument("--no-decode", action="store_true", help="only check that image files exist")

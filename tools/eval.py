@@ -28,7 +28,7 @@ from typing import List, Optional
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.files import output_folder  # noqa: E402
 
@@ -37,20 +37,24 @@ logger = logging.getLogger("detector.tools.eval")
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config of the model and data (model mode)")
-    p.add_argument("--weights", help="checkpoint or state dict to evaluate (model mode), or a torchvision weights "
+    p.add_argument("--config", type=user_path, help="YAML config of the model and data (model mode)")
+    p.add_argument("--weights", type=user_path,
+                   help="checkpoint or state dict to evaluate (model mode), or a torchvision weights "
                    "name such as FasterRCNN_ResNet50_FPN_Weights.COCO_V1")
-    p.add_argument("--predictions", help="detections JSON to score (file mode)")
-    p.add_argument("--annotations", help="COCO-format ground-truth JSON (file mode)")
-    p.add_argument("--voc-root", help="VOC year folder as ground truth (file mode), e.g. VOCdevkit/VOC2012")
+    p.add_argument("--predictions", type=user_path, help="detections JSON to score (file mode)")
+    p.add_argument("--annotations", type=user_path, help="COCO-format ground-truth JSON (file mode)")
+    p.add_argument("--voc-root", type=user_path,
+                   help="VOC year folder as ground truth (file mode), e.g. VOCdevkit/VOC2012")
     p.add_argument("--voc-split", default="val", help="ImageSets/Main list with --voc-root (default: val)")
-    p.add_argument("--output-dir", help="where to write metrics.json, detections.json, per_class.csv, plots")
+    p.add_argument("--output-dir", type=user_path,
+                   help="where to write metrics.json, detections.json, per_class.csv, plots")
     p.add_argument("--analysis", action="store_true", help="also break the errors down (classification, localisation, "
                    "both, duplicate, background, missed): analysis.json, analysis.csv, analysis.png and the worst "
                    "images drawn under --output-dir/analysis")
     p.add_argument("--analysis-images", type=int, default=10, help="with --analysis: how many worst images to draw "
                    "(default 10)")
-    p.add_argument("--image-dir", help="with --analysis: the images' folder, to draw the worst images on them "
+    p.add_argument("--image-dir", type=user_path,
+                   help="with --analysis: the images' folder, to draw the worst images on them "
                    "(default: a grey canvas in file mode, data.val.root for COCO data in model mode)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.backend=faster")
     args = p.parse_args(argv)

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.tasks import benchmark_exported  # noqa: E402
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.data import check_trained_classes, class_names_for  # noqa: E402
 from detector.data.files import load_image  # noqa: E402
@@ -59,13 +59,14 @@ from detector.modeling.summary import default_image_size  # noqa: E402
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML config of the model (e.g. the run's config.yaml)")
-    p.add_argument("--weights", required=True, help="checkpoint or state dict")
+    p.add_argument("--config", type=user_path, required=True,
+                   help="YAML config of the model (e.g. the run's config.yaml)")
+    p.add_argument("--weights", type=user_path, required=True, help="checkpoint or state dict")
     p.add_argument("--format", required=True, choices=FORMATS, help="torchscript or onnx")
-    p.add_argument("--output", required=True, help="file to write (or to check with --verify-only)")
+    p.add_argument("--output", type=user_path, required=True, help="file to write (or to check with --verify-only)")
     p.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
                    help="test image size (default: input.min_size_test x input.max_size_test)")
-    p.add_argument("--image", help="an image file to test on instead of a generated scene")
+    p.add_argument("--image", type=user_path, help="an image file to test on instead of a generated scene")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     p.add_argument("--verify-only", action="store_true", help="check --output against the model, do not export")
     p.add_argument("--box-tol", type=float, default=BOX_TOL, help=f"box tolerance, pixels (default {BOX_TOL})")

@@ -21,18 +21,20 @@ from typing import List, Optional
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.data import check_trained_classes, class_names_for  # noqa: E402  (test_label_space reads class_names_for here)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML config of the model")
-    p.add_argument("--weights", required=True, help="checkpoint or state dict, or a torchvision weights name such as "
+    p.add_argument("--config", type=user_path, required=True, help="YAML config of the model")
+    p.add_argument("--weights", type=user_path, required=True,
+                   help="checkpoint or state dict, or a torchvision weights name such as "
                    "FasterRCNN_ResNet50_FPN_Weights.COCO_V1")
-    p.add_argument("--input", required=True, help="an image file or a folder of images")
-    p.add_argument("--output-dir", required=True, help="where to write annotated images and detections.json")
+    p.add_argument("--input", type=user_path, required=True, help="an image file or a folder of images")
+    p.add_argument("--output-dir", type=user_path, required=True,
+                   help="where to write annotated images and detections.json")
     p.add_argument("--score-thresh", type=float, default=0.5, help="draw detections with score >= this (default 0.5)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = p.parse_args(argv)

@@ -15,13 +15,13 @@ from typing import Optional, Sequence
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.data.shapes import generate_shapes  # noqa: E402
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", type=user_path, required=True, help="output folder")
     parser.add_argument("--train", type=int, default=600, help="number of training images")
     parser.add_argument("--val", type=int, default=100, help="number of validation images")
     parser.add_argument("--seed", type=int, default=0)

@@ -22,18 +22,18 @@ from typing import List, Optional
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.data.split import split_dataset  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--annotations", help="COCO instances JSON to split")
-    src.add_argument("--voc-root", help="VOC year folder (Annotations/, ImageSets/Main/) to split")
+    src.add_argument("--annotations", type=user_path, help="COCO instances JSON to split")
+    src.add_argument("--voc-root", type=user_path, help="VOC year folder (Annotations/, ImageSets/Main/) to split")
     p.add_argument("--voc-split", help="with --voc-root: split only the ids of ImageSets/Main/<name>.txt "
                                        "(default: every Annotations/*.xml)")
-    p.add_argument("--out", required=True, help="folder for the split files")
+    p.add_argument("--out", type=user_path, required=True, help="folder for the split files")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--fractions", type=float, nargs="+", metavar="F",
                      help="train val [test] shares of the images, summing to 1, e.g. 0.8 0.2")

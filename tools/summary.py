@@ -24,7 +24,7 @@ import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bo
 
 import torch  # noqa: E402
 
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.files import write_text  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
@@ -33,10 +33,10 @@ from detector.modeling.summary import default_image_size, format_summary, model_
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML config of the model")
+    p.add_argument("--config", type=user_path, required=True, help="YAML config of the model")
     p.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
                    help="image size for the FLOPs (default: input.min_size_test x input.max_size_test)")
-    p.add_argument("--json", help="also write the summary to this JSON file")
+    p.add_argument("--json", type=user_path, help="also write the summary to this JSON file")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     return p.parse_args(argv)
 

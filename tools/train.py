@@ -20,7 +20,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import run_tool  # noqa: E402
+from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector import distributed  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
@@ -32,15 +32,15 @@ logger = logging.getLogger("detector.tools.train")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML config file")
-    p.add_argument("--output-dir", default=None, help="run folder (overrides train.output_dir)")
-    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CKPT",
+    p.add_argument("--config", type=user_path, required=True, help="YAML config file")
+    p.add_argument("--output-dir", type=user_path, default=None, help="run folder (overrides train.output_dir)")
+    p.add_argument("--resume", type=user_path, nargs="?", const=True, default=None, metavar="CKPT",
                    help="continue a run: from CKPT, or from <output_dir>/checkpoints/last.pth if none is given "
                         "(a folder with no checkpoint yet starts fresh, so the same command serves every restart)")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in a run folder that holds checkpoints: deletes its checkpoints, metrics.jsonl, "
                         "tb/, eval/ and log.txt")
-    p.add_argument("--weights", default=None,
+    p.add_argument("--weights", type=user_path, default=None,
                    help="initial weights (overrides model.weights): a checkpoint file or a torchvision weights name")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. solver.lr=0.01")
     # Intermixed: overrides may come before or after options, e.g. `--resume CKPT solver.lr=0.1`.
