@@ -107,3 +107,59 @@ def test_tool_script_subprocess(tmp_path, repo_root):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "1.jpg (image_id 1) not found" in proc.stdout
+
+
+def _val_file(tmp: Path, categories: list) -> Path:
+    """A val file of the same images as ``_coco_set``'s, with ``categories`` [(id, name)]
+    and one box of each category on image 1."""
+    anns = [{"id": i, "image_id": 1, "category_id": cid, "bbox": [2 + 12 * i, 2, 10, 10], "iscrowd": 0}
+            for i, (cid, _) in enumerate(categories, start=1)]
+    val = tmp / "val.json"
+    val.write_text(json.dumps({"images": [{"id": 1, "file_name": "1.jpg", "width": 64, "height": 48}],
+                               "annotations": anns,
+                               "categories": [{"id": cid, "name": name} for cid, name in categories]}))
+    return val
+
+
+def _val_cfg(img_dir, train_file, val_file):
+    return load_config(None, ["data.format=coco", f"data.train.root={img_dir}", f"data.train.ann_file={train_file}",
+                              f"data.val.root={img_dir}", f"data.val.ann_file={val_file}"])
+
+
+def test_val_split_is_read_by_the_training_classes(tmp_path):
+    """--split val reads the val file as training does, by the training set's class names:
+    other ids are fine, a category the training set lacks is dropped (as in training),
+    not counted as a class of its own."""
+    img_dir, train_file = _coco_set(tmp_path)
+    val_file = _val_file(tmp_path, [(1, "dog"), (2, "bird"), (7, "cat")])
+    report = check_dataset(_val_cfg(img_dir, train_file, val_file), "val")
+    assert report.ok, report.errors
+    assert report.per_class == {"cat": 1, "dog": 1}
+    assert report.other_classes == {"bird": 1}
+    assert (f"classes: the training set's ({train_file}), by name (as training pins them in data.class_names)"
+            in format_report(report))
+
+
+def test_val_split_without_a_training_class_is_an_error(tmp_path):
+    """What training refuses before its first step (``check_val_classes``), the checker
+    reports: here the val file names a training class otherwise."""
+    img_dir, train_file = _coco_set(tmp_path)
+    val_file = _val_file(tmp_path, [(3, "cat"), (5, "dogs")])
+    report = check_dataset(_val_cfg(img_dir, train_file, val_file), "val")
+    assert not report.ok
+    assert report.errors[0].startswith(f"data.val.ann_file {val_file} has no category named 'dog' (did you mean "
+                                       "'dogs'?), a class of the training set")
+    assert report.per_class == {"cat": 1, "dogs": 1}  # read by its own categories
+    assert "it fails training's class check" in format_report(report)
+
+
+def test_val_split_with_an_unreadable_training_set_is_checked_alone(tmp_path):
+    img_dir, train_file = _coco_set(tmp_path)
+    val_file = _val_file(tmp_path, [(3, "cat"), (5, "dog")])
+    train_file.write_text("{oops")
+    report = check_dataset(_val_cfg(img_dir, train_file, val_file), "val")
+    assert report.ok, report.errors
+    assert report.per_class == {"cat": 1, "dog": 1}
+    text = format_report(report)
+    assert "classes: this file's own categories (the training set could not be read" in text
+    assert "is not valid JSON" in text

@@ -10,6 +10,7 @@ Information only: images without annotations, crowd and difficult counts, histog
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -17,8 +18,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-from detector.config import Config
+from detector.config import Config, ConfigError
+from detector.messages import first_line
 
+from .build import build_dataset
+from .classes import check_val_classes, resolve_class_names
 from .coco import parse_coco
 from .dataset import ImageRecord, Issues
 from .files import DataError, decode_image
@@ -47,6 +51,7 @@ class CheckReport:
     non_integer_examples: List[str] = field(default_factory=list)
     exif_rotated: List[str] = field(default_factory=list)  # EXIF orientation 2..8, read as stored (warning)
     apply_exif: bool = False
+    classes_from: str = ""  # --split val: whose class names label the boxes (the training set's, as in training)
     other_classes: Dict[str, int] = field(default_factory=dict)  # boxes outside data.class_names, dropped
     missing_files: List[str] = field(default_factory=list)
     unreadable_files: List[str] = field(default_factory=list)
@@ -105,17 +110,71 @@ def _records_for(cfg: Config, split: str, issues: Issues) -> Tuple[List[ImageRec
     raise ValueError(f"data.format must be coco, voc or shapes, got {data.format!r}")
 
 
+def val_as_in_training(cfg: Config) -> Tuple[Config, List[str], str]:
+    """How training reads the val set of COCO-format data (coco, shapes): by the training
+    set's class names (``resolve_class_names``), once the val file has each of them
+    (``check_val_classes``). Returns ``(cfg to read the val set with, errors found, a line
+    saying whose classes label its boxes)``. Where the training set cannot be read, or
+    the val file fails the check, the val set is read by its own categories."""
+    if cfg.data.format not in ("coco", "shapes"):
+        return cfg, [], ""
+    no_cache = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=""))
+    try:
+        train_set = build_dataset(no_cache, "train", True)
+    except (DataError, ConfigError, FileNotFoundError, OSError) as exc:
+        return cfg, [], (f"this file's own categories (the training set could not be read, so training's class "
+                         f"check was not made: {first_line(exc)})")
+    as_trained = resolve_class_names(no_cache, train_set)
+    try:
+        check_val_classes(as_trained, train_set)
+    except DataError as exc:
+        return cfg, [str(exc)], "this file's own categories (it fails training's class check: see ERRORS)"
+    pinned = "" if cfg.data.class_names else " (as training pins them in data.class_names)"
+    return (dataclasses.replace(cfg, data=as_trained.data), [],
+            f"the training set's ({train_set.source}), by name{pinned}")
+
+
+def _check_image_file(report: CheckReport, r: ImageRecord, decode: bool, apply_exif: bool) -> None:
+    """The image file of ``r`` exists (and, with ``decode``, decodes to the annotated size);
+    findings go into ``report``."""
+    if not decode:
+        if not os.path.isfile(r.path):
+            report.missing_files.append(r.path)
+            report.errors.append(f"image file {r.path} (image_id {r.image_id}) not found")
+        return
+    try:
+        image, orientation = decode_image(r.path, r.image_id, apply_exif)
+    except FileNotFoundError as exc:
+        report.missing_files.append(r.path)
+        report.errors.append(str(exc))
+        return
+    except DataError as exc:
+        report.unreadable_files.append(r.path)
+        report.errors.append(str(exc))
+        return
+    if orientation not in (0, 1):
+        report.exif_rotated.append(f"{r.path} (orientation {orientation})")
+    if image.shape[:2] != (r.height, r.width):
+        report.errors.append(f"image file {r.path} (image_id {r.image_id}) is {image.shape[1]}x{image.shape[0]} "
+                             f"but its annotation says {r.width}x{r.height}")
+
+
 def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> CheckReport:
-    """Check ``cfg.data.<split>``; never raises on bad data, reports it instead."""
+    """Check ``cfg.data.<split>``; never raises on bad data, reports it instead. The val
+    set is read as training reads it (``val_as_in_training``)."""
     issues = Issues(strict=False, log_skips=False)
     source = describe_source(cfg, split)
+    class_errors: List[str] = []
+    classes_from = ""
+    if split == "val":
+        cfg, class_errors, classes_from = val_as_in_training(cfg)
     try:
         records, class_names = _records_for(cfg, split, issues)
     except (DataError, FileNotFoundError, OSError) as exc:
-        report = CheckReport(source=source)
-        report.errors.append(str(exc))
+        report = CheckReport(source=source, classes_from=classes_from, errors=class_errors + [str(exc)])
         return report
-    report = CheckReport(source=source, num_images=len(records), apply_exif=cfg.data.apply_exif)
+    report = CheckReport(source=source, num_images=len(records), apply_exif=cfg.data.apply_exif,
+                         classes_from=classes_from, errors=list(class_errors))
     report.errors.extend(issues.errors)
     report.degenerate_boxes = issues.skipped.get("degenerate", 0)
     report.outside_boxes = issues.skipped.get("outside", 0)
@@ -137,25 +196,7 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
         for lab in r.labels.tolist():
             per_class[class_names[lab]] += 1
         box_sizes.extend(((r.boxes[:, 2] - r.boxes[:, 0]) * (r.boxes[:, 3] - r.boxes[:, 1])).tolist())
-        if decode:
-            try:
-                image, orientation = decode_image(r.path, r.image_id, cfg.data.apply_exif)
-            except FileNotFoundError as exc:
-                report.missing_files.append(r.path)
-                report.errors.append(str(exc))
-                continue
-            except DataError as exc:
-                report.unreadable_files.append(r.path)
-                report.errors.append(str(exc))
-                continue
-            if orientation not in (0, 1):
-                report.exif_rotated.append(f"{r.path} (orientation {orientation})")
-            if image.shape[:2] != (r.height, r.width):
-                report.errors.append(f"image file {r.path} (image_id {r.image_id}) is {image.shape[1]}x{image.shape[0]} "
-                                     f"but its annotation says {r.width}x{r.height}")
-        elif not os.path.isfile(r.path):
-            report.missing_files.append(r.path)
-            report.errors.append(f"image file {r.path} (image_id {r.image_id}) not found")
+        _check_image_file(report, r, decode, cfg.data.apply_exif)
     report.per_class = {name: per_class.get(name, 0) for name in class_names.values()}
     report.size_hist = _histogram([math.sqrt(r.width * r.height) for r in records], SIZE_BINS)
     report.aspect_hist = _histogram([r.width / r.height for r in records], ASPECT_BINS)
@@ -172,6 +213,8 @@ def format_report(report: CheckReport) -> str:
     lines = [f"data set: {report.source}",
              f"images: {report.num_images}   boxes: {report.num_boxes} (crowd {report.num_crowd}, "
              f"difficult {report.num_difficult})   images without annotations: {report.images_without_annotations}"]
+    if report.classes_from:
+        lines.append(f"classes: {report.classes_from}")
     if report.per_class:
         lines.append("boxes per class:")
         width = max(len(n) for n in report.per_class)
