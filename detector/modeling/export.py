@@ -234,6 +234,10 @@ def load_exported(fmt: str, path: str | os.PathLike, threads: int = 0) -> Callab
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's own exception types (InvalidGraph, Fail, ...)
+        if "NOT_IMPLEMENTED" in str(exc):  # a valid file of a newer opset than this onnxruntime runs
+            raise ExportError(f"onnxruntime {onnxruntime.__version__} cannot run {path} ({first_line(exc)}), so it "
+                              f"is not checked: export with a lower --opset (the default is {DEFAULT_OPSET}) to check "
+                              "it here") from None
         raise ExportError(f"cannot load ONNX file {path}: {first_line(exc)}") from None
 
     def run_onnx(image: Tensor) -> Detections:
