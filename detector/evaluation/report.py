@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 from torch import nn
 
+from detector.data.loader import build_test_loader
 from detector.files import atomic_write, output_folder, write_text
 from detector.messages import DetectorError, typed_first_line
 
@@ -322,8 +323,6 @@ def evaluate(
         ``precision_50`` ...), and with ``eval.compute_val_loss`` the four
         ``val_loss_*`` values and ``val_loss``. Other ranks get ``{}``.
     """
-    from ..data.loader import build_test_loader  # the data package imports albumentations
-
     rank, world_size = get_rank(), get_world_size()
     loader = build_test_loader(cfg, dataset, rank, world_size)
     # Labels = category ids: predictions in unused id slots match no category and are left out.
