@@ -6,6 +6,7 @@ import errno
 import logging
 import math
 import json
+import datetime
 import os
 import signal
 
@@ -162,7 +163,8 @@ def _metrics_rank(rank: int, world_size: int, folder: str) -> None:
     foreground accuracy. Rank 0 writes the record."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         opt = torch.optim.SGD(Params().parameters(), lr=0.1)
         writers = EventWriters(jsonl=JSONLWriter(os.path.join(folder, "m.jsonl"))) if rank == 0 else EventWriters()
@@ -171,6 +173,7 @@ def _metrics_rank(rank: int, world_size: int, folder: str) -> None:
         acc = [0.2, 0.4] if rank == 0 else [float("nan")] * 2
         run_steps([hook], state, [with_stats(result(1.0 + rank, 2.0), acc[i], 10.0 * (rank + 1) + i)
                                   for i in range(2)])
+        dist.barrier()  # neither rank tears the group down while its peer still uses it
     finally:
         dist.destroy_process_group()
 
@@ -419,7 +422,8 @@ def _eval_hook_rank(rank: int, world_size: int, folder: str, failing_rank: int) 
     return that failure (and none waits in ``_keep_best``'s collective)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         ck = make_checkpointer(os.path.join(folder, f"r{rank}"), Params())
 
@@ -433,6 +437,7 @@ def _eval_hook_rank(rank: int, world_size: int, folder: str, failing_rank: int) 
         error = ev.run(3)
         with open(os.path.join(folder, f"result{rank}.txt"), "w") as f:
             f.write(str(error))
+        dist.barrier()  # neither rank tears the group down while its peer still uses it
     finally:
         dist.destroy_process_group()
 
