@@ -120,13 +120,13 @@ def _set(state, dotted: str, value) -> None:
     *parents, leaf = dotted.split(".")
     node = state
     for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node[part]
+        node = node[int(part)] if isinstance(node, list) or (part.isdigit() and part not in node) else node[part]
+    if isinstance(node, list) or (leaf.isdigit() and leaf not in node):
+        leaf = int(leaf)
     if value is DELETE:
         del node[leaf]
-    elif isinstance(node, list):
-        node[int(leaf)] = value
     else:
-        node[leaf] = value
+        node[leaf] = value(node[leaf]) if callable(value) else value  # a callable makes it from the saved value
 
 
 DELETE = object()
@@ -149,6 +149,20 @@ CRAFTED = {
     "rng_entry_missing_key": ("rng.per_rank.0.numpy", DELETE, "field 'rng.per_rank[0]' does not restore: KeyError"),
     "rng_entry_number": ("rng.per_rank.0", 5, "field 'rng.per_rank[0]' does not restore: TypeError"),
     "optimizer_groups_broken": ("optimizer.param_groups", "x", "field 'optimizer' must hold 'state' and 'param_groups'"),
+    # torch copies optimizer state unchecked: a wrong shape crashed the process (SIGSEGV) at the first step.
+    "momentum_shape": ("optimizer.state.0.momentum_buffer", torch.zeros(3),
+                       "field 'optimizer.state[0].momentum_buffer' has shape [3], its parameter [128, 64, 3, 3]"),
+    "momentum_nan": ("optimizer.state.1.momentum_buffer", lambda t: torch.full_like(t, float("nan")),
+                     "field 'optimizer.state[1].momentum_buffer' holds NaN or Inf values"),
+    "optimizer_state_entry": ("optimizer.state.0", "x", "field 'optimizer.state[0]' must be a dict, got 'x'"),
+    "early_stop_string": ("early_stop", "x", "field 'early_stop' must be a dict, got 'x'"),
+    "early_stop_wait": ("early_stop.wait", -1, "field 'early_stop.wait' must be an integer >= 0, got -1"),
+    "early_stop_best": ("early_stop.best", "high", "field 'early_stop.best' must be a finite number or null, got 'high'"),
+    "early_stop_iteration": ("early_stop.best_iteration", 1.5,
+                             "field 'early_stop.best_iteration' must be an integer >= 0 or null, got 1.5"),
+    "ema_string": ("ema", "x", "field 'ema' must hold 'model' (a state dict) and 'updates' (an integer >= 0)"),
+    "ema_other_model": ("ema", {"model": {"pixel_mean": torch.zeros(3)}, "updates": 3},
+                        "field 'ema.model' does not fit this model: 'pixel_mean' is of shape [3], the model's [3, 1, 1]"),
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,20 @@ def tool_setup(tmp_path_factory):
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (80, 90, 3), dtype=np.uint8)).save(image)
     files = _write_bad_files(root / "bad")
     files["other_arch"] = (root / "other_arch.pth", "does not fit the model")
+    # Weights that fit by name and shape but not by value: a NaN, a sparse or a quantized tensor.
+    good = torch.load(root / "good.pth", weights_only=True)
+    fc = "roi_heads.box_head.fc6.weight"
+    nan = dict(good, **{"backbone.fpn.inner_blocks.0.1.bias": torch.full_like(good[
+        "backbone.fpn.inner_blocks.0.1.bias"], float("nan"))})
+    torch.save(nan, root / "nan.pth")
+    files["nan"] = (root / "nan.pth", "'backbone.fpn.inner_blocks.0.1.bias' holds NaN or Inf values")
+    torch.save(dict(good, **{fc: good[fc].to_sparse()}), root / "sparse.pth")
+    files["sparse"] = (root / "sparse.pth", f"'{fc}' is a sparse_coo tensor; weights must be dense float tensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated; files with them still exist
+        torch.save(dict(good, **{fc: torch.quantize_per_tensor(good[fc], 0.01, 0, torch.qint8)}),
+                   root / "quantized.pth")
+    files["quantized"] = (root / "quantized.pth", f"'{fc}' is a quantized tensor")
     return root, overrides, image, files
 
 
@@ -102,7 +117,7 @@ def _tool_args(tool: str, weights: Path, root: Path, overrides, image: Path) -> 
     return args + list(overrides)
 
 
-CASES = ["empty", "truncated", "random", "object", "no_tensors", "other_arch"]
+CASES = ["empty", "truncated", "random", "object", "no_tensors", "other_arch", "nan", "sparse", "quantized"]
 
 
 def _check_error(stderr: str, path: Path, words: str, case: str) -> None:

@@ -39,13 +39,14 @@ from detector.engine.optim import WarmupLRScheduler
 from detector.engine.resume_checks import (
     CheckpointError,
     check_class_names,
+    check_extras,
     check_loop_position,
     check_optimizer_state,
     check_rng_states,
     warn_config_changes,
 )
 from detector.messages import DetectorError, first_line
-from detector.modeling.weights import WeightsError, load_weights, read_weights_file
+from detector.modeling.weights import WeightsError, load_weights, nonfinite_names, read_weights_file
 
 logger = logging.getLogger(__name__)
 
@@ -216,12 +217,7 @@ def nonfinite_tensors(state: Dict[str, Any]) -> List[str]:
     named: List[tuple] = list((state.get("model") or {}).items())
     for pid, per_param in ((state.get("optimizer") or {}).get("state") or {}).items():
         named.extend((f"optimizer.state.{pid}.{k}", v) for k, v in per_param.items())
-    floats = [(n, t) for n, t in named if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not floats:
-        return []
-    # One read-back for all tensors.
-    ok = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
-    return [n for (n, _), good in zip(floats, ok) if not good]
+    return nonfinite_names(named)
 
 
 class Checkpointer:
@@ -389,6 +385,7 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
     check_loop_position(state, path, batches_per_epoch, world_size)
     check_rng_states(state, path, get_rng_state, set_rng_state)
     check_optimizer_state(state, optimizer, path)
+    check_extras(state, path, model)
     try:
         _load_optimizer_state(optimizer, state["optimizer"])
         scheduler.continue_at(int(state["scheduler"]["last_epoch"]))

@@ -12,6 +12,10 @@ here runs before anything is restored:
   and the current states put back (one mechanism for any malformed entry);
 - the optimizer state is of this run's optimizer type (recorded as ``optimizer_type``;
   inferred from the parameter groups of older files) with the same parameter groups;
+- each optimizer state tensor (momentum, Adam moments) has its parameter's shape, and
+  every one is finite;
+- the early-stopping record and the EMA weights, where present, have their types (and
+  the EMA its model's tensors and shapes: ``check_extras``);
 - the labels name the classes they named in the run that wrote it (``check_class_names``).
 
 Also: ``warn_config_changes``, the warning that lists the keys a resumed run changes.
@@ -29,7 +33,7 @@ import torch
 from detector.config import Config, ConfigError, config_from_dict, config_to_dict
 from detector.data.classes import first_other_label
 from detector.messages import DetectorError, first_line
-from detector.modeling.weights import trained_class_names
+from detector.modeling.weights import nonfinite_names, trained_class_names
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +155,77 @@ def check_optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimize
             f"--resume: {path}: its optimizer has {len(saved_sizes)} parameter group(s) of {saved_sizes} parameters, "
             f"this run's has {len(sizes)} of {sizes}; solver.param_groups, the weight-decay settings of norms and "
             "biases, or the trained layers (model.freeze_at, model.norm) differ from the run that wrote it")
+    _check_optimizer_tensors(saved, optimizer, path)
+
+
+def _check_optimizer_tensors(saved: Dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Each parameter's saved state is a dict whose non-scalar tensors (momentum, Adam
+    moments) have the parameter's shape (torch copies them unchecked: a wrong shape
+    crashed the process at the first step), all finite."""
+    per_param = saved["state"]
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+        for pid, param in zip(saved_group["params"], group["params"]):
+            entry = per_param.get(pid)
+            if entry is None:
+                continue
+            if not isinstance(entry, dict):
+                raise CheckpointError(f"--resume: {path}: field 'optimizer.state[{pid}]' must be a dict, got {_show(entry)}")
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise CheckpointError(
+                        f"--resume: {path}: field 'optimizer.state[{pid}].{key}' has shape {list(value.shape)}, its "
+                        f"parameter {list(param.shape)}")
+    bad = nonfinite_names((f"optimizer.state[{pid}].{key}", value) for pid, entry in per_param.items()
+                          if isinstance(entry, dict) for key, value in entry.items())
+    if bad:
+        raise CheckpointError(f"--resume: {path}: field '{bad[0]}' holds NaN or Inf values"
+                              + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+
+
+def _is_number(value: Any, integer: bool = False) -> bool:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.item()
+    kinds = (int,) if integer else (int, float)
+    return not isinstance(value, bool) and isinstance(value, kinds) and math.isfinite(value)
+
+
+def check_extras(state: Dict[str, Any], path: Path, model: torch.nn.Module) -> None:
+    """``early_stop`` (None, or ``{"best": number or None, "best_iteration": int or None,
+    "wait": int >= 0}``) and ``ema`` (None, or ``{"model": this model's state dict,
+    "updates": int >= 0}``), as the early-stopping and EMA hooks write them."""
+    early = state.get("early_stop")
+    if early is not None:
+        if not isinstance(early, dict):
+            raise CheckpointError(f"--resume: {path}: field 'early_stop' must be a dict, got {_show(early)}")
+        for key, integer, optional in (("best", False, True), ("best_iteration", True, True), ("wait", True, False)):
+            value = early.get(key) if optional else early.get(key, 0)
+            if optional and value is None:
+                continue
+            if not _is_number(value, integer) or (integer and int(value) < 0):
+                kind = "an integer >= 0" if integer else "a finite number"
+                raise CheckpointError(f"--resume: {path}: field 'early_stop.{key}' must be {kind}"
+                                      f"{' or null' if optional else ''}, got {_show(value)}")
+    ema = state.get("ema")
+    if ema is None:
+        return
+    weights = ema.get("model") if isinstance(ema, dict) else None
+    if not isinstance(weights, dict) or not (_is_number(ema.get("updates"), True) and int(ema["updates"]) >= 0):
+        raise CheckpointError(f"--resume: {path}: field 'ema' must hold 'model' (a state dict) and 'updates' (an "
+                              f"integer >= 0), as the EMA hook writes them")
+    expected = model.state_dict()
+    for name, tensor in expected.items():
+        value = weights.get(name)
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+            got = ("missing" if value is None else f"of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
+                   else _show(value))
+            raise CheckpointError(f"--resume: {path}: field 'ema.model' does not fit this model: '{name}' is {got}, "
+                                  f"the model's {list(tensor.shape)}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise CheckpointError(f"--resume: {path}: field 'ema.model' has '{extra[0]}', which this model has not")
+    bad = nonfinite_names((f"ema.model.{k}", v) for k, v in weights.items())
+    if bad:
+        raise CheckpointError(f"--resume: {path}: field '{bad[0]}' holds NaN or Inf values")
 
 
 def _diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[str]:

@@ -37,7 +37,7 @@ import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -271,12 +271,44 @@ def load_weights(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, 
     to_load, shapes = _sort_keys(state, target, report)
     if shapes or not to_load or (strict and (report.missing or report.unexpected)):
         raise _mismatch_error(where, shapes, report.missing, report.unexpected)
+    _check_values(to_load, where)
 
     model.load_state_dict(to_load, strict=False)
     report.loaded = sorted(to_load)
     report.trained_classes = trained_class_names(data)
     logger.info("weights loaded from %s: %s", where, report.summary())
     return report
+
+
+def nonfinite_names(named: Iterable[Tuple[str, Any]]) -> List[str]:
+    """The names of the dense floating-point tensors among ``named`` that hold a NaN or
+    an Inf (one read-back for all; the tensors must share a device)."""
+    floats = [(n, t) for n, t in named if isinstance(t, Tensor) and t.is_floating_point() and t.layout == torch.strided]
+    if not floats:
+        return []
+    ok = torch.stack([torch.isfinite(t).all() for _, t in floats]).tolist()
+    return [n for (n, _), good in zip(floats, ok) if not good]
+
+
+def _check_values(state: Mapping[str, Tensor], where: str) -> None:
+    """Weights are dense tensors of finite values: a sparse or quantized tensor cannot be
+    copied into a parameter (torch raised a many-line error), and a NaN or an Inf gives a
+    model that detects nothing (evaluation scored 0 without a word) or whose every
+    training step is skipped as non-finite.
+
+    Raises:
+        WeightsError: one line naming the source and the first such tensor.
+    """
+    for key, value in state.items():
+        kind = "quantized" if value.is_quantized else None if value.layout == torch.strided else str(value.layout)
+        if kind is not None:
+            raise WeightsError(f"{where}: '{key}' is a {kind.replace('torch.', '')} tensor; weights must be dense "
+                               "float tensors (convert them with .to_dense() or .dequantize() before saving)")
+    bad = nonfinite_names(state.items())
+    if bad:
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise WeightsError(f"{where}: '{bad[0]}' holds NaN or Inf values{more}; these weights come from a run that "
+                           "diverged, or were damaged")
 
 
 def _sort_keys(state: Mapping[str, Tensor], target: Mapping[str, Tensor], report: LoadReport
