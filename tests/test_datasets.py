@@ -299,6 +299,9 @@ def test_voc_image_ids_fallback():
     assert voc_image_ids(["000005", "000007"]) == [5, 7]
     assert voc_image_ids(["img_a", "img_b"]) == [1, 2]
     assert voc_image_ids(["1_1", "11"]) == [1, 2]  # "1_1" and "11" would collide
+    assert voc_image_ids([str(2**63 - 1), "5"]) == [2**63 - 1, 5]
+    # Wider than int64 (the records' and pycocotools' id type): it was an OverflowError in training and eval.
+    assert voc_image_ids(["1" + "0" * 25, "5"]) == [1, 2]
 
 
 # ----------------------------------------------------------------------------- build_dataset

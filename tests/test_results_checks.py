@@ -40,6 +40,11 @@ RESULT_CASES = {
     "unknown_category": ("category_id", 99, r"result 3: category_id 99 is not among the ground-truth categories"),
     "float_image_id": ("image_id", 100.5, r"result 3: 'image_id' must be an integer, got 100.5"),
     "missing_score": ("score", None, r"result 3 has no 'score'"),
+    # JSON true / false beside numbers: numpy reads them as 1 / 0 (scored as such, silently).
+    "bool_image_id": ("image_id", True, r"result 3: 'image_id' must be an integer, got true"),
+    "bool_category": ("category_id", True, r"result 3: 'category_id' must be an integer, got true"),
+    "bool_score": ("score", True, r"result 3: 'score' must be a number, got true"),
+    "bool_in_box": ("bbox", [1, False, 3, 4], r"result 3: 'bbox' must be 4 numbers \[x, y, w, h\], got \[1, false, 3, 4\]"),
 }
 
 
@@ -207,3 +212,15 @@ def test_image_ids_above_2_53_are_read_exactly_and_past_int64_refused(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps(dets))  # all in uint64 range: no wrap to negative ids
     with pytest.raises(ResultsError, match="'image_id' values do not fit 64-bit numbers"):
         load_predictions(tmp_path / "d.json", gt_read)
+
+
+def test_results_file_nested_too_deep_is_one_line(case, tmp_path, capsys):
+    """json's decoder recurses once per level: a file of 100000 nested lists was a
+    RecursionError traceback (the annotation files had this guard already)."""
+    d, _, _ = case
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100000 + "]" * 100000)
+    assert load_tool("eval").main(["--predictions", str(path), "--annotations", str(d / "gt.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: {path}: the predictions file is nested too deep (more than about 1000 levels of "
+                           "lists and objects)"), err

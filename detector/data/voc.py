@@ -29,11 +29,12 @@ VOC_CLASSES: Tuple[str, ...] = (
 
 def voc_image_ids(ids: Sequence[str]) -> List[int]:
     """Integer image ids for VOC ids: "2008_000123" -> 2008000123, "000005" -> 5 when every
-    id is of that form and the results are unique; otherwise 1..N in split-file order."""
+    id is of that form and the results are unique int64 values; otherwise 1..N in
+    split-file order."""
     pattern = re.compile(r"^\d+(_\d+)?$")
     if all(pattern.match(s) for s in ids):
         ints = [int(s.replace("_", "")) for s in ids]
-        if len(set(ints)) == len(ints):
+        if len(set(ints)) == len(ints) and max(ints, default=0) < 2**63:
             return ints
     return list(range(1, len(ids) + 1))
 

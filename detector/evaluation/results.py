@@ -20,6 +20,7 @@ naming the file, the record's index and the field. Ground truth gets the same ch
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,8 +130,17 @@ def _first_bad(records: Sequence[Any], field: str, ok) -> int:
     return -1
 
 
+def _has_bool(values: List[Any], width: int = 0) -> bool:
+    """Whether a JSON ``true`` / ``false`` is among ``values`` (or their ``width``-long
+    lists): numpy turns them into 1 / 0 beside numbers."""
+    flat = itertools.chain.from_iterable(v for v in values if isinstance(v, (list, tuple))) if width else values
+    return bool in set(map(type, flat))
+
+
 def _int_column(values: List[Any]) -> Optional[np.ndarray]:
     """int64 [N] when every value is an integer, else None."""
+    if _has_bool(values):
+        return None
     try:
         arr = np.asarray(values)
     except (ValueError, TypeError, OverflowError):
@@ -144,6 +154,8 @@ def _int_column(values: List[Any]) -> Optional[np.ndarray]:
 
 def _float_column(values: List[Any], width: int = 0) -> Optional[np.ndarray]:
     """float64 [N] (or [N, width]) when every value is a number (or ``width`` numbers)."""
+    if _has_bool(values, width):
+        return None
     try:
         arr = np.asarray(values)
     except (ValueError, TypeError, OverflowError):  # ragged lists, ...
@@ -265,7 +277,8 @@ def load_json_file(path: str | Path, what: str) -> Any:
 
     Raises:
         FileNotFoundError: no such file; ResultsError: unreadable, not text (UTF-8, -16
-        or -32, as ``json`` detects it), or not valid JSON (with the position).
+        or -32, as ``json`` detects it), not valid JSON (with the position), or nested
+        too deep.
     """
     path = Path(path)
     if not path.is_file():
@@ -277,6 +290,9 @@ def load_json_file(path: str | Path, what: str) -> Any:
         raise ResultsError(f"{path}: cannot read the {what} file: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ResultsError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:  # json's decoder recurses once per level
+        raise ResultsError(f"{path}: the {what} file is nested too deep (more than about 1000 levels of lists and "
+                           "objects)") from None
 
 
 def read_results_file(path: str | Path) -> Any:
