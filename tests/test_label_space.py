@@ -101,6 +101,32 @@ def test_bad_category_ids_refused(tmp_path, bad):
     assert CocoDetection(*gapped(tmp_path, categories)).num_classes == 4  # contiguous takes any integer id
 
 
+def test_sparse_category_ids_are_refused_before_any_label_is_made(tmp_path):
+    """With label = category id, a sparse id space (taxonomy or database ids) makes a
+    predictor of mostly unused labels; ids near 2**40 had the process killed for memory
+    while it listed the labels. Refused in one line beyond both bounds, up to them kept."""
+    def with_train_id(new_id):
+        categories = [c if c["id"] != 7 else {"id": new_id, "name": "train"} for c in GAPPED]
+        anns = [dict(a, category_id=new_id) if a["category_id"] == 7 else a for a in GAPPED_ANNS]
+        return make_coco(tmp_path / str(new_id), annotations=anns, categories=categories)
+
+    assert CocoDetection(*with_train_id(1000), label_space="category_id").num_classes == 1000  # at the bound
+    for new_id in (1001, 2**40):
+        img_dir, ann_file = with_train_id(new_id)
+        with pytest.raises(DataError) as info:
+            CocoDetection(img_dir, ann_file, label_space="category_id")
+        assert str(info.value) == (
+            f"annotation file {ann_file}: data.label_space=category_id makes one label per id up to the largest, "
+            f"{new_id}, for 3 categories in use (a predictor of {new_id + 1} classes, mostly unused); use "
+            "data.label_space=contiguous (labels 1..3; results files keep the category ids)")
+        assert CocoDetection(img_dir, ann_file).label_to_category_id == {1: 1, 2: 3, 3: new_id}
+        cfg = load_config(TINY_CONFIG, ["data.format=coco", f"data.train.root={img_dir}",
+                                        f"data.train.ann_file={ann_file}", "data.label_space=category_id",
+                                        "model.num_classes=auto"])
+        with pytest.raises(DataError, match="makes one label per id up to the largest"):
+            resolve_num_classes(cfg)  # from the JSON alone, as the tools do
+
+
 def test_check_dataset_reads_labels_as_training_does(tmp_path):
     report = check_dataset(coco_cfg(tmp_path, "data.label_space=category_id"), "train", decode=False)
     assert not report.errors and report.per_class == {"person": 1, "car": 1, "train": 2}

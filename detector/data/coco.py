@@ -50,6 +50,13 @@ def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_fi
     return out
 
 
+# data.label_space=category_id: the largest id may exceed both bounds, not just one (COCO:
+# 80 ids in use up to 90). Beyond them the id space is sparse (taxonomy or database ids)
+# and the predictor would be mostly unused labels, or too big to build (ids near 2**40).
+MAX_UNUSED_PER_CATEGORY = 10
+MIN_SPARSE_CATEGORY_ID = 1000
+
+
 def coco_label_map(
     names_by_id: Dict[Any, str], class_names: Optional[Sequence[str]], label_space: str, ann_file: str
 ) -> Tuple[List[str], Dict[int, int], List[Any]]:
@@ -65,7 +72,9 @@ def coco_label_map(
       ``unused_<id>`` and are not in ``label_to_category_id`` (nor evaluated).
 
     Raises:
-        DataError: with ``category_id``, a category id in use that is not an integer >= 1.
+        DataError: with ``category_id``, a category id in use that is not an integer >= 1,
+            or ids so sparse that the labels would be mostly unused (the largest id above
+            both ``MAX_UNUSED_PER_CATEGORY`` times the ids in use and ``MIN_SPARSE_CATEGORY_ID``).
     """
     cat_ids = _coco_subset(names_by_id, class_names, ann_file) if class_names else list(names_by_id)
     if label_space == "contiguous":
@@ -75,6 +84,12 @@ def coco_label_map(
             raise DataError(f"annotation file {ann_file}: category {names_by_id[c]!r} has id {c!r}; "
                             f"data.label_space=category_id needs integer category ids >= 1")
     used = sorted(cat_ids)
+    largest = max(used, default=0)
+    if largest > max(MAX_UNUSED_PER_CATEGORY * len(used), MIN_SPARSE_CATEGORY_ID):
+        raise DataError(f"annotation file {ann_file}: data.label_space=category_id makes one label per id up to the "
+                        f"largest, {largest}, for {len(used)} categories in use (a predictor of {largest + 1} classes, "
+                        f"mostly unused); use data.label_space=contiguous (labels 1..{len(used)}; results files keep "
+                        "the category ids)")
     label_to_category_id = {c: c for c in used}
     names = [names_by_id[i] if i in label_to_category_id else f"unused_{i}" for i in range(1, max(used, default=0) + 1)]
     return names, label_to_category_id, used
