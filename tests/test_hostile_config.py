@@ -271,3 +271,37 @@ def test_override_after_resume_checkpoint_reaches_the_config(train_tool, capsys,
     line = run_train(train_tool, capsys, TINY_CONFIG, "--resume", str(tmp_path / "ck.pth"), "solver.lr=-1",
                      output_dir=tmp_path / "run")
     assert "config key 'solver.lr' must be > 0, got -1" in line
+
+
+SHAPE_CASES = {  # override -> the message after "config key ..."
+    "input.min_size_train=64": "'input.min_size_train' takes a list of integers, got 64 (as a list: [64])",
+    "data.class_names=circle": "'data.class_names' takes a list of strings, got 'circle' (as a list: ['circle'])",
+    "data.class_names=[[a, b]]": "'data.class_names' takes a list of strings, got [['a', 'b']]",
+    "data.class_names=null": "'data.class_names' takes a list of strings, got null (empty: [])",
+    "solver.steps=100": "'solver.steps' takes a list of integers, got 100 (as a list: [100])",
+    "solver.lr=[0.1]": "'solver.lr' takes a number, got [0.1]",
+    "solver.momentum={a: 1}": "'solver.momentum' takes a number, got {'a': 1}",
+    "model.canvas_sizes=[160, 160]": "'model.canvas_sizes' takes a list of lists of integers, got [160, 160] "
+                                     "(as a list: [[160, 160]])",
+    "model.anchors.sizes=[32, 64]": "'model.anchors.sizes' takes a list of lists of numbers, got [32, 64] "
+                                   "(as a list: [[32, 64]])",
+}
+
+
+@pytest.mark.parametrize("override", sorted(SHAPE_CASES))
+def test_a_value_of_the_wrong_shape_names_the_key_and_what_it_takes(override, tmp_path):
+    """A single value where the schema has a list, a list where it has a single value, a
+    list inside a list of strings: one line naming the key, what it takes and what it got,
+    from an override and from a file alike (was: OmegaConf's 'AnyNode is not a
+    ListConfig, TupleConfig, list, or tuple', sometimes under the key '?', or a
+    TypeError traceback for a list of lists of names)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY_CONFIG, [override])
+    assert str(info.value) == f"override '{override}': config key {SHAPE_CASES[override]}"
+    key, _, value = override.partition("=")
+    *parents, leaf = key.split(".")
+    text = "".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(parents)) + f"{'  ' * len(parents)}{leaf}: {value}\n"
+    path = write(tmp_path / "c.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: config key {SHAPE_CASES[override]}"

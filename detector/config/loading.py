@@ -25,6 +25,7 @@ from detector.messages import first_line
 
 from .schema import Config
 from .validation import ConfigError, auto_keys, check_keys, validate_config
+from .value_types import check_value_shapes
 from .yaml_reader import YAMLRefused, load_yaml
 
 
@@ -127,7 +128,10 @@ def _nest(key: str, value: Any) -> dict:
 
 
 def _merge(base: Any, data: dict, source: str) -> Any:
-    """OmegaConf's typed merge; a value of the wrong type is a one-line ConfigError."""
+    """OmegaConf's typed merge; a value of the wrong type or shape is a one-line ConfigError."""
+    schema = OmegaConf.get_type(base)
+    if dataclasses.is_dataclass(schema):
+        check_value_shapes(data, schema, source)
     try:
         return OmegaConf.merge(base, data)
     except OmegaConfBaseException as exc:
