@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
-from detector.config import ConfigError, load_config
+from detector.config import ConfigError, config_from_dict, config_to_dict, load_config, save_config
 from detector.config.schema import MAX_IMAGE_SIDE
 from detector.engine.memory import GIB, batch_bytes, check_batch_memory
 
@@ -305,3 +305,22 @@ def test_a_value_of_the_wrong_shape_names_the_key_and_what_it_takes(override, tm
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert str(info.value) == f"{path}: config key {SHAPE_CASES[override]}"
+
+
+def test_interpolation_is_resolved_named_when_it_fails_and_escaped_when_literal(tmp_path, monkeypatch):
+    """Values are OmegaConf's: ``${oc.env:VAR}`` and ``${other.key}`` resolve; one that
+    cannot is one line naming the key (it named none); a literal ``${`` is written
+    ``\\${`` and stays literal through config.yaml and a checkpoint's stored config (it
+    was interpolated again when read back)."""
+    monkeypatch.setenv("DETECTOR_DATA", str(tmp_path / "data"))
+    cfg = load_config(TINY_CONFIG, ["data.train.root=${oc.env:DETECTOR_DATA}/train", "solver.lr=${solver.momentum}"])
+    assert (cfg.data.train.root, cfg.solver.lr) == (f"{tmp_path}/data/train", cfg.solver.momentum)
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY_CONFIG, ["data.val.root=${oc.env:DETECTOR_NO_SUCH_VARIABLE}"])
+    assert str(info.value).startswith("config key 'data.val.root': ") and "DETECTOR_NO_SUCH_VARIABLE" in str(info.value)
+    assert str(info.value).endswith("(a literal '${' is written '\\${')")
+    literal = load_config(TINY_CONFIG, [r"data.train.root=/data/\${x}/train"])
+    assert literal.data.train.root == "/data/${x}/train"
+    save_config(literal, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml").data.train.root == "/data/${x}/train"
+    assert config_from_dict(config_to_dict(literal)).data.train.root == "/data/${x}/train"

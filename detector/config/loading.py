@@ -9,7 +9,6 @@ while merging (``OmegaConf.structured`` of the schema is strict).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -169,8 +168,11 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Li
         cfg = _merge(cfg, _auto_to_none(nested), f"override '{item}'")
     try:
         out: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    except OmegaConfBaseException as exc:  # e.g. a missing mandatory value
-        raise ConfigError(first_line(exc)) from None
+    except OmegaConfBaseException as exc:  # e.g. an interpolation (${oc.env:VAR}, ${other.key}) that fails
+        key = getattr(exc, "full_key", None)
+        where = f"config key '{key}': " if key else ""
+        hint = " (a literal '${' is written '\\${')" if "interpolation" in str(exc).lower() else ""
+        raise ConfigError(f"{where}{first_line(exc)}{hint}") from None
     _expand_home(out)
     validate_config(out)
     return out
@@ -193,10 +195,20 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _literal(data: Any) -> Any:
+    """Resolved values as OmegaConf must read them back: ``${`` in a string escaped, so a
+    value that holds it literally (resolved from a backslash before it) is not interpolated again."""
+    if isinstance(data, dict):
+        return {k: _literal(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_literal(v) for v in data]
+    return data.replace("${", "\\${") if isinstance(data, str) else data
+
+
 def config_from_dict(data: dict) -> Config:
     """Rebuild a Config from ``config_to_dict`` output, checking keys and types."""
     check_keys(data, "stored config")
-    cfg = _merge(OmegaConf.structured(Config), _auto_to_none(copy.deepcopy(data)), "stored config")
+    cfg = _merge(OmegaConf.structured(Config), _auto_to_none(_literal(data)), "stored config")
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
@@ -210,7 +222,7 @@ def config_to_yaml(cfg: Config) -> str:
             node = node[part]
         if node[leaf] is None:
             node[leaf] = "auto"
-    return OmegaConf.to_yaml(OmegaConf.create(data))
+    return OmegaConf.to_yaml(OmegaConf.create(_literal(data)))
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
