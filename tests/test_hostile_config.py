@@ -279,6 +279,10 @@ SHAPE_CASES = {  # override -> the message after "config key ..."
     "data.class_names=[[a, b]]": "'data.class_names' takes a list of strings, got [['a', 'b']]",
     "data.class_names=null": "'data.class_names' takes a list of strings, got null (empty: [])",
     "solver.steps=100": "'solver.steps' takes a list of integers, got 100 (as a list: [100])",
+    # YAML 1.1 booleans where names belong: OmegaConf made them the string 'True'.
+    "data.class_names=[yes, no, maybe]": "'data.class_names' takes a list of strings, got [True, False, 'maybe'] "
+                                         "(YAML reads unquoted yes, no, on, off, true and false as booleans: quote "
+                                         "them, e.g. 'no')",
     "solver.lr=[0.1]": "'solver.lr' takes a number, got [0.1]",
     "solver.momentum={a: 1}": "'solver.momentum' takes a number, got {'a': 1}",
     "model.canvas_sizes=[160, 160]": "'model.canvas_sizes' takes a list of lists of integers, got [160, 160] "
@@ -324,3 +328,12 @@ def test_interpolation_is_resolved_named_when_it_fails_and_escaped_when_literal(
     save_config(literal, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml").data.train.root == "/data/${x}/train"
     assert config_from_dict(config_to_dict(literal)).data.train.root == "/data/${x}/train"
+
+
+def test_an_unquoted_date_is_a_string(tmp_path):
+    """No key takes a date: ``output_dir: 2024-01-01`` (a run folder named by its day)
+    stays the text written (it was 'Value 'date' is not a supported primitive type')."""
+    path = write(tmp_path / "c.yaml", "train:\n  output_dir: 2024-01-01\n")
+    assert load_config(path).train.output_dir == "2024-01-01"
+    assert load_config(TINY_CONFIG, ["train.output_dir=runs/2024-01-01 10:00:00"]).train.output_dir == \
+        "runs/2024-01-01 10:00:00"

@@ -3,7 +3,8 @@
 OmegaConf checks scalar types while it merges (``"abc"`` for a number is its one-line
 error), but a value of the wrong *shape* gave its internal wording
 (``AnyNode is not a ListConfig, TupleConfig, list, or tuple``, sometimes under the key
-``'?'``), and a list inside a list of strings passed it and crashed later. Each mapping
+``'?'``), a list inside a list of strings passed it and crashed later, and a YAML
+boolean (unquoted ``no``) became the string ``'True'``. Each mapping
 is checked here before it is merged: a one-line ``ConfigError`` naming the key, what
 it takes and what it got.
 """
@@ -48,9 +49,15 @@ def _fits(value: Any, hint: Any) -> bool:
         return isinstance(value, list) and all(_fits(v, typing.get_args(hint)[0]) for v in value)
     if dataclasses.is_dataclass(hint):
         return isinstance(value, dict)
+    if hint is str and isinstance(value, bool):  # OmegaConf would make it the string 'True'
+        return False
     if hint in _SCALARS:
         return not isinstance(value, (list, dict))
     return True
+
+
+def _has_bool(value: Any) -> bool:
+    return isinstance(value, bool) or (isinstance(value, list) and any(_has_bool(v) for v in value))
 
 
 def _example(value: Any, hint: Any) -> str:
@@ -83,6 +90,8 @@ def check_value_shapes(data: dict, schema: type, source: str, prefix: str = "") 
         if not _fits(value, hint):
             got = "null" if value is None else repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             example = " (empty: [])" if value is None else _example(value, hint)
+            if _has_bool(value) and "string" in describe(hint):
+                example = " (YAML reads unquoted yes, no, on, off, true and false as booleans: quote them, e.g. 'no')"
             raise ConfigError(f"{source}: config key '{name}' takes {describe(hint)}, got {got}{example}")
         items = typing.get_args(inner)
         if typing.get_origin(inner) is list and items and dataclasses.is_dataclass(items[0]):

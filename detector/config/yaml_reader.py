@@ -12,6 +12,8 @@ built, so every such file is one ``YAMLRefused`` line:
   counted on the node graph, each shared node once, and refused above ``MAX_NODES``;
   anchors and aliases of normal size are accepted;
 - a mapping key given twice is refused, naming the key and both lines.
+
+Dates and times (``2024-01-01``) are read as the strings they are written as.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class StrictLoader(yaml.SafeLoader):
                                   "YAML would keep the last silently")
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+# No config key takes a date: an unquoted 2024-01-01 (a run folder's name) stays a string.
+StrictLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_scalar)
 
 
 def expanded_size(node: Any, memo: Dict[int, Tuple[int, int]], depth: int = 1) -> int:
