@@ -33,6 +33,18 @@ def _reason(exc: BaseException) -> str:
     return first_line(exc)
 
 
+def missing_file_state(path: "str | os.PathLike") -> str:
+    """Why ``path`` is no file to read, in words for a message: ``"not found"``, ``"is a
+    folder, not a file"``, ``"is a link to nothing (or a loop of links)"`` or ``"is not
+    a regular file"`` (a device, a pipe)."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder, not a file"
+    if path.is_symlink() and not path.exists():
+        return "is a link to nothing (or a loop of links)"
+    return "is not a regular file" if path.exists() else "not found"
+
+
 def output_folder(path: "str | os.PathLike", what: str = "output folder") -> Path:
     """Create ``path`` (and its parents) if needed and check it is a writable folder.
 

@@ -291,3 +291,49 @@ def test_infer_skips_unreadable_images_and_names_them(tmp_path, capsys):
     assert len(errors) == 1 and "skipped 1 unreadable image(s)" in errors[0]
     assert f"cannot decode image file {inputs / 'b_broken.jpg'}" in errors[0]
     assert "Traceback" not in captured.out + captured.err
+
+
+# ----------------------------------------------------------------------------- a path that is no file
+
+
+@pytest.mark.parametrize("kind", ["folder", "loop"])
+def test_a_path_that_is_a_folder_or_a_loop_of_links_says_so(tmp_path, kind, capsys):
+    """Where a file is read (a config, a checkpoint, an image, a predictions file), a
+    folder or a loop of links in its place is named as such (they said 'not found', or
+    in a config's case a RuntimeError traceback for the loop)."""
+    from detector.config import ConfigError
+    from detector.engine.checkpointing import load_checkpoint
+    from detector.engine.resume_checks import CheckpointError
+    from detector.evaluation.results import read_results_file
+
+    bad = tmp_path / "bad.x"
+    if kind == "folder":
+        bad.mkdir()
+        state = "is a folder, not a file"
+    else:
+        (tmp_path / "other").symlink_to(bad)
+        bad.symlink_to(tmp_path / "other")
+        state = "is a link to nothing (or a loop of links)"
+    for call, error, words in ((load_config, ConfigError, "config file"), (load_checkpoint, CheckpointError, "checkpoint"),
+                               (read_results_file, FileNotFoundError, "predictions file")):
+        with pytest.raises(error) as info:
+            call(bad)
+        assert str(info.value) == f"{words} {bad} {state}"
+    img_dir, ann = write_coco(tmp_path, "bad.x")
+    (img_dir / "bad.x").symlink_to(bad)  # the image entry's file: a link to the folder or the loop
+    with pytest.raises(DataError) as info:
+        build_dataset(coco_cfg(img_dir, ann), "train", True)
+    assert str(info.value) == f"data.train.root: image file {img_dir}/bad.x (image_id 7) {state}"
+    report = check_dataset(coco_cfg(img_dir, ann), decode=False)
+    assert report.errors == [f"image file {img_dir}/bad.x (image_id 7) {state}"]
+
+
+def test_resume_at_a_run_folder_points_at_its_last_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.pth").write_bytes(b"x")
+    code = load_tool("train").main(["--config", str(TINY_CONFIG), "--output-dir", str(tmp_path / "new"),
+                                    "--resume", str(run)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.strip() == (f"error: --resume: checkpoint {run} is a folder, not a file; --resume takes a "
+                                         f"checkpoint file (a run folder: --resume {run}/checkpoints/last.pth)"), err

@@ -163,3 +163,11 @@ def test_val_split_with_an_unreadable_training_set_is_checked_alone(tmp_path):
     text = format_report(report)
     assert "classes: this file's own categories (the training set could not be read" in text
     assert "is not valid JSON" in text
+
+
+def test_an_empty_path_names_its_key(tmp_path):
+    img_dir, train_file = _coco_set(tmp_path)
+    cfg = load_config(None, ["data.format=coco", f"data.train.root={img_dir}", f"data.train.ann_file={train_file}",
+                             f"data.val.root={img_dir}", "data.val.ann_file="])
+    report = check_dataset(cfg, "val")  # it was "annotation file not found: " (an empty path, no key)
+    assert report.errors == ["data.val.ann_file is empty: set it to the COCO instances JSON"]

@@ -157,6 +157,18 @@ def test_refusals_are_one_line(sets, tmp_path, capsys, args, message):
 
 
 @pytest.mark.realdata
+def test_out_that_is_a_file_and_a_negative_seed_are_one_line(sets, tmp_path, capsys):
+    tool = load_tool("split_dataset")
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    assert tool.main(["--annotations", str(sets["coco"]), "--out", str(taken), "--fractions", "0.8", "0.2"]) == 1
+    assert capsys.readouterr().err.strip() == f"error: --out {taken} is a file, not a folder"  # was: [Errno 17] File exists
+    with pytest.raises(SystemExit) as info:
+        tool.parse_args(["--annotations", "a.json", "--out", "o", "--fractions", "0.8", "0.2", "--seed", "-1"])
+    assert info.value.code == 2 and capsys.readouterr().err.strip().endswith("error: --seed must be >= 0, got -1")
+
+
+@pytest.mark.realdata
 def test_existing_files_are_not_overwritten_by_default(sets, tmp_path):
     run_split(sets, "voc", tmp_path, fractions=[0.8, 0.2])
     with pytest.raises(SplitError, match=r"train\.txt exists; pass --overwrite to replace it"):

@@ -40,7 +40,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     how.add_argument("--folds", type=int, metavar="K", help="K stratified folds (train_fold{j} / val_fold{j})")
     p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace split files that exist")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.seed < 0:  # numpy's generator takes seeds >= 0 ("expected non-negative integer", no name)
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:

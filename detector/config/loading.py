@@ -19,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from detector.files import write_text
+from detector.files import missing_file_state, write_text
 from detector.messages import first_line
 
 from .schema import Config
@@ -50,12 +50,16 @@ def _read_text(path: Path) -> str:
 
 def _read_yaml(path: Path, seen: Tuple[Path, ...] = ()) -> List[Tuple[dict, str]]:
     """Return the chain of YAML mappings to merge, the deepest ``base:`` first."""
-    path = path.resolve()
+    try:
+        path = path.resolve()
+    except (RuntimeError, OSError):  # a loop of links (RuntimeError before Python 3.13)
+        raise ConfigError(f"config file {path} is a link to nothing (or a loop of links)") from None
     if path in seen:
         chain = " -> ".join(str(p) for p in (*seen, path))
         raise ConfigError(f"config 'base:' chain has a cycle: {chain}")
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        state = missing_file_state(path)
+        raise ConfigError(f"config file not found: {path}" if state == "not found" else f"config file {path} {state}")
     try:
         data = load_yaml(_read_text(path))
     except YAMLRefused as exc:

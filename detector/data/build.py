@@ -11,6 +11,7 @@ from typing import Optional
 
 from detector.config import Config, ConfigError
 from detector.distributed import get_world_size
+from detector.files import missing_file_state
 
 from .coco import CocoDetection
 from .dataset import DetectionDataset
@@ -91,8 +92,9 @@ def _check_first_images(dataset: DetectionDataset, key: str, count: int = 16) ->
     (the rest are found missing when loaded, as any single missing file is)."""
     for record in dataset.records[:count]:
         if not os.path.isfile(record.path):
-            raise DataError(f"{key}: image file {record.path} (image_id {record.image_id}) not found; "
-                            f"is {key} the folder that holds the images of {dataset.source}?")
+            state = missing_file_state(record.path)
+            hint = f"; is {key} the folder that holds the images of {dataset.source}?" if state == "not found" else ""
+            raise DataError(f"{key}: image file {record.path} (image_id {record.image_id}) {state}{hint}")
     return dataset
 
 

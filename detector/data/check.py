@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
 from detector.config import Config, ConfigError
+from detector.files import missing_file_state
 from detector.messages import first_line
 
-from .build import build_dataset
+from .build import build_dataset, check_data_paths
 from .classes import check_val_classes, resolve_class_names
 from .coco import parse_coco
 from .dataset import ImageRecord, Issues
@@ -118,6 +119,10 @@ def val_as_in_training(cfg: Config) -> Tuple[Config, List[str], str]:
     the val file fails the check, the val set is read by its own categories."""
     if cfg.data.format not in ("coco", "shapes"):
         return cfg, [], ""
+    try:
+        check_data_paths(cfg, "val")
+    except (DataError, ConfigError):
+        return cfg, [], ""  # check_dataset reports it
     no_cache = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=""))
     try:
         train_set = build_dataset(no_cache, "train", True)
@@ -140,7 +145,7 @@ def _check_image_file(report: CheckReport, r: ImageRecord, decode: bool, apply_e
     if not decode:
         if not os.path.isfile(r.path):
             report.missing_files.append(r.path)
-            report.errors.append(f"image file {r.path} (image_id {r.image_id}) not found")
+            report.errors.append(f"image file {r.path} (image_id {r.image_id}) {missing_file_state(r.path)}")
         return
     try:
         image, orientation = decode_image(r.path, r.image_id, apply_exif)
@@ -169,6 +174,7 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
     if split == "val":
         cfg, class_errors, classes_from = val_as_in_training(cfg)
     try:
+        check_data_paths(cfg, split)  # an empty or missing path: one line naming its key
         records, class_names = _records_for(cfg, split, issues)
     except (DataError, FileNotFoundError, OSError) as exc:
         report = CheckReport(source=source, classes_from=classes_from, errors=class_errors + [str(exc)])

@@ -40,7 +40,7 @@ from .dataset import Issues
 from .files import read_text_file
 from .schema import load_coco_json, raise_error
 from .voc_xml import read_voc_xml
-from detector.files import write_text
+from detector.files import output_folder, write_text
 from detector.messages import DetectorError
 
 SPLIT_NAMES = ("train", "val", "test")
@@ -290,7 +290,7 @@ def write_splits(
     existing = [p for p in paths if p.exists()]
     if existing and not overwrite:
         raise SplitError(f"{existing[0]} exists; pass --overwrite to replace it")
-    out.mkdir(parents=True, exist_ok=True)
+    output_folder(out, "--out")
     for path, mask in zip(paths, plan.values()):
         keys = [k for k, m in zip(images.keys, mask) if m]
         if coco_data is not None:

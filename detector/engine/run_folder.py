@@ -38,6 +38,7 @@ from typing import IO, Any, List, Optional, Tuple
 from detector.config import Config, ConfigError
 from detector.engine import checkpointing as ckpt
 from detector.distributed import all_gather_object
+from detector.files import missing_file_state
 from detector.messages import DetectorError
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,12 @@ class RunFolder:
         if resume not in (None, False, True, ""):
             explicit = Path(resume)
             if not explicit.is_file():
-                raise RunFolderError(f"--resume: checkpoint not found: {explicit}")
+                state = missing_file_state(explicit)
+                if state == "not found":
+                    raise RunFolderError(f"--resume: checkpoint not found: {explicit}")
+                last = explicit / "checkpoints" / "last.pth"
+                hint = f" (a run folder: --resume {last})" if last.is_file() else ""
+                raise RunFolderError(f"--resume: checkpoint {explicit} {state}; --resume takes a checkpoint file{hint}")
             return explicit
         held = _checkpoint_files(path)
         if resume in (True, ""):
