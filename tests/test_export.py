@@ -276,3 +276,14 @@ def test_tool_onnx_file_carries_class_names_and_input_sizes(model, tmp_path, cap
     sizes = load_config(TINY_CONFIG).input
     assert (props["min_size_test"], props["max_size_test"]) == (str(sizes.min_size_test), str(sizes.max_size_test))
     assert "uint8" in props["input"]
+
+
+@pytest.mark.parametrize("args, words", [(["--time", "-1"], "--time must be >= 0, got -1"),
+                                         (["--image-size", "0", "64"], "--image-size takes two sides in 1..8192")])
+def test_tool_usage_errors_come_before_the_export(tmp_path, capsys, args, words):
+    """Checked when the arguments are read: --time -1 was refused only after the export
+    and its parity check had run."""
+    with pytest.raises(SystemExit) as info:
+        TOOL.parse_args(["--config", str(TINY_CONFIG), "--weights", "w.pth", "--format", "onnx",
+                         "--output", str(tmp_path / "m.onnx"), *args])
+    assert info.value.code == 2 and capsys.readouterr().err.strip().endswith(words)

@@ -86,9 +86,13 @@ def test_tool_writes_json(tmp_path, capsys):
     assert data["params_total"] == sum(p.numel() for p in tiny().parameters())
     assert data["image_size"] == [64, 96]
     assert "backbone.body" in capsys.readouterr().out
-    assert tool.main(["--config", str(TINY_CONFIG), "--image-size", "0", "96"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: image size must be positive") and len(err.strip().splitlines()) == 1
+    # Sizes outside 1..8192 (as the input.* sizes; 9000x9000 ran for minutes) and an empty --json: usage errors.
+    for args, words in ((["--image-size", "0", "96"], "--image-size takes two sides in 1..8192 pixels"),
+                        (["--image-size", "9000", "9000"], "got 9000 9000"), (["--json="], "--json is empty")):
+        with pytest.raises(SystemExit) as info:
+            tool.main(["--config", str(TINY_CONFIG), *args])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and words in err.strip().splitlines()[-1], err
 
 
 def test_training_writes_summary_next_to_config(tmp_path, caplog):

@@ -38,6 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.tasks import benchmark_exported  # noqa: E402
 from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
+from detector.config.schema import MAX_IMAGE_SIDE  # noqa: E402
 from detector.data import check_trained_classes, class_names_for  # noqa: E402
 from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
@@ -76,7 +77,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--time", type=int, default=0, metavar="N",
                    help="then time N runs of the eager model and of the file on the first test image (CPU)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.image_size and not all(1 <= side <= MAX_IMAGE_SIDE for side in args.image_size):
+        p.error(f"--image-size takes two sides in 1..{MAX_IMAGE_SIDE} pixels (as the input.* sizes), got "
+                f"{args.image_size[0]} {args.image_size[1]}")
+    if args.time < 0:  # checked before the export, not after it
+        p.error(f"--time must be >= 0, got {args.time}")
+    return args
 
 
 def test_images(size: Tuple[int, int], image_path: Optional[str]) -> List[torch.Tensor]:

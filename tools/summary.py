@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
+from detector.config.schema import MAX_IMAGE_SIDE  # noqa: E402
 from detector.files import write_text  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.summary import default_image_size, format_summary, model_summary  # noqa: E402
@@ -38,7 +39,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="image size for the FLOPs (default: input.min_size_test x input.max_size_test)")
     p.add_argument("--json", type=user_path, help="also write the summary to this JSON file")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.image_size and not all(1 <= side <= MAX_IMAGE_SIDE for side in args.image_size):
+        p.error(f"--image-size takes two sides in 1..{MAX_IMAGE_SIDE} pixels (as the input.* sizes), got "
+                f"{args.image_size[0]} {args.image_size[1]}")
+    if args.json is not None and not args.json.strip():
+        p.error("--json is empty: name the file to write")
+    return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:
