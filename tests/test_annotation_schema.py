@@ -296,6 +296,22 @@ def test_voc_field_of_wrong_type_is_one_named_line(tmp_path, name):
         reason.endswith("out of range") and msg.startswith(f"VOC annotation file {root}") and reason in msg), msg
 
 
+def test_voc_tags_in_a_namespace_are_read_and_another_root_is_named(tmp_path):
+    """``<annotation xmlns="...">`` (some exporters) holds VOC's tags in a namespace: read
+    as VOC (it said 'has no <size>'). A file whose root is not ``<annotation>`` (another
+    tool's XML) is named as such."""
+    root = voc_root(tmp_path / "ns")
+    xml = root / "Annotations" / "000001.xml"
+    xml.write_text(xml.read_text().replace("<annotation>", '<annotation xmlns="http://example.org/voc">'))
+    plain = VOCDetection(voc_root(tmp_path / "plain"), "train")
+    ds = VOCDetection(root, "train")
+    assert ds.get_annotation(0)["boxes"].tolist() == plain.get_annotation(0)["boxes"].tolist() == [[1, 2, 20, 25]]
+    xml.write_text("<annotations><size><width>40</width><height>30</height></size></annotations>")
+    with pytest.raises(DataError) as info:
+        VOCDetection(root, "train")
+    assert str(info.value) == f"VOC annotation file {xml}: its root element is <annotations>, not VOC's <annotation>"
+
+
 def test_voc_entity_expansion_is_bounded_and_external_entities_are_not_read(tmp_path):
     """A "billion laughs" file (nine levels of ten entities each) and an external
     entity naming a local file: each is one "not valid XML" line, quickly, and the

@@ -236,7 +236,7 @@ def test_check_dataset_header_names_the_files_it_reads(tmp_path, capsys):
     cfg = load_config(ROOT / "configs" / "faster_rcnn_r50_fpn_voc.yaml", overrides + ["data.train.split=nope"])
     text = format_report(check_dataset(cfg))
     assert text.splitlines()[0].endswith("ImageSets/Main/nope.txt, Annotations/*.xml, JPEGImages/")
-    assert ".json" not in text and "VOC split file not found" in text
+    assert ".json" not in text and f"data.train.split: VOC split file {root}/ImageSets/Main/nope.txt not found" in text
     img_dir, ann = write_coco(tmp_path / "coco", "ok.jpg")
     assert format_report(check_dataset(coco_cfg(img_dir, ann))).splitlines()[0] == \
         f"data set: COCO {ann}, images in {img_dir}"

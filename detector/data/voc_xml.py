@@ -57,10 +57,12 @@ def _parse_xml(xml_path: Path) -> ET.Element:
 
     Raises:
         FileNotFoundError: no such file.
-        DataError: unreadable (a folder, no permission), an unknown encoding, not XML.
+        DataError: unreadable (a folder, no permission), an unknown encoding, not XML,
+            or a root element other than ``<annotation>`` (namespaces are dropped: VOC's
+            tags under an ``xmlns`` are read).
     """
     try:
-        return ET.parse(xml_path).getroot()
+        root = ET.parse(xml_path).getroot()
     except FileNotFoundError:
         raise FileNotFoundError(f"VOC annotation file not found: {xml_path}") from None
     except OSError as exc:
@@ -69,6 +71,12 @@ def _parse_xml(xml_path: Path) -> ET.Element:
         raise DataError(f"VOC annotation file {xml_path} is not valid XML: {exc}") from None
     except (LookupError, ValueError) as exc:  # encoding="klingon", a multi-byte encoding expat lacks
         raise DataError(f"VOC annotation file {xml_path} is not valid XML: {exc}") from None
+    for element in root.iter():  # <annotation xmlns="..."> (some exporters): VOC's tags in a namespace
+        if isinstance(element.tag, str) and element.tag.startswith("{"):
+            element.tag = element.tag.split("}", 1)[1]
+    if root.tag != "annotation":
+        raise DataError(f"VOC annotation file {xml_path}: its root element is <{root.tag}>, not VOC's <annotation>")
+    return root
 
 
 def read_voc_xml(xml_path: Path, on_error: OnError) -> Optional[VocFile]:
