@@ -346,3 +346,14 @@ def test_duplicate_annotation_id_and_bad_image_fields(tmp_path):
     images = [{"id": 3, "file_name": "a.jpg", "width": 0, "height": 30}]
     with pytest.raises(DataError, match=r"instances\.json: images\[0\]\.width: expected a positive number, got 0"):
         CocoDetection(*make_coco(tmp_path / "c", images=images, annotations=[]))
+    # A size of whole pixels written as a float is read; a fractional one was cut to an int, silently.
+    img_dir, ann_file = make_coco(tmp_path / "d", annotations=[])
+    data = json.loads(ann_file.read_text())
+    data["images"][0]["width"] = 40.0
+    ann_file.write_text(json.dumps(data))
+    assert CocoDetection(img_dir, ann_file).records[0].width == 40
+    data["images"][0]["width"] = 40.5
+    ann_file.write_text(json.dumps(data))
+    with pytest.raises(DataError) as info:
+        CocoDetection(img_dir, ann_file)
+    assert str(info.value) == f"annotation file {ann_file}: image_id 10: width 40.5 is not a whole number of pixels"

@@ -109,7 +109,7 @@ def _coco_images(
     images: List[CocoImage], ann_file: str, image_dir: str | os.PathLike, issues: Issues
 ) -> Tuple[List[CocoImage], Dict[int, str]]:
     """The valid ``images`` entries (types and sizes already checked by the schema):
-    ``file_name`` inside ``image_dir``, unique id (pycocotools would silently keep the
+    whole-number sizes (``81.0`` is 81), ``file_name`` inside ``image_dir``, unique id (pycocotools would silently keep the
     last one), a file no other entry names (two entries of one image, as merging two
     annotation jobs leaves them, would each train the other's boxes as background).
     Each invalid entry is an error in ``issues`` and left out.
@@ -125,6 +125,11 @@ def _coco_images(
         if path is None:
             issues.error(f"annotation file {ann_file}: image_id {img.id}: file_name {img.file_name!r} "
                          f"resolves outside the image root {image_dir}")
+            continue
+        fractional = [f"{k} {v}" for k, v in (("width", img.width), ("height", img.height)) if v != int(v)]
+        if fractional:  # int() would cut it: an 81.5 px wide image would pass as 81
+            issues.error(f"annotation file {ann_file}: image_id {img.id}: {fractional[0]} is not a whole number "
+                         "of pixels")
             continue
         if img.id in seen:
             issues.error(f"annotation file {ann_file}: image_id {img.id} appears twice "
