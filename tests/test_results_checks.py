@@ -44,6 +44,9 @@ RESULT_CASES = {
     "bool_image_id": ("image_id", True, r"result 3: 'image_id' must be an integer, got true"),
     "bool_category": ("category_id", True, r"result 3: 'category_id' must be an integer, got true"),
     "bool_score": ("score", True, r"result 3: 'score' must be a number, got true"),
+    # finite numbers whose corner or area overflow (three numpy overflow warnings, then scored)
+    "overflowing_box": ("bbox", [0, 0, 1e308, 1e308], r"result 3: 'bbox' is too large to score \(its corner or area is "
+                                                       r"not a finite number\): \[0, 0, 1e\+308, 1e\+308\]"),
     "bool_in_box": ("bbox", [1, False, 3, 4], r"result 3: 'bbox' must be 4 numbers \[x, y, w, h\], got \[1, false, 3, 4\]"),
 }
 

@@ -200,6 +200,12 @@ def _id_and_box_columns(records: Sequence[Any], cols: Dict[str, List[Any]], sour
     if bad.any():
         i = int(np.argmax(bad))
         raise _record_error(source, label(i), records[i], "bbox")
+    with np.errstate(over="ignore"):  # scoring computes x + w and w * h: both must be finite
+        huge = ~(np.isfinite(bbox[:, :2] + bbox[:, 2:]).all(axis=1) & np.isfinite(bbox[:, 2] * bbox[:, 3]))
+    if huge.any():
+        i = int(np.argmax(huge))
+        raise ResultsError(f"{source}: {label(i)}: 'bbox' is too large to score (its corner or area is not a finite "
+                           f"number): {_describe(records[i]['bbox'])}")
     return image_id, category_id, bbox
 
 
