@@ -36,9 +36,11 @@ def test_time_to_accuracy_json_within_budget(tiny_data, tmp_path):
         assert run["iterations"] > 0 and run["images"] == 2 * run["iterations"], name
         assert 0.0 <= run["AP"] <= run["AP50"] <= 1.0, name
         assert run["eval_s"] > 0
-        # The run ends with the step during which the budget runs out: about one step past it at most.
+        # The run ends with the step during which the budget runs out: about one step past it
+        # (a step of a loaded machine may take several mean steps; a deadline that failed would
+        # run to max_iter=100000, hours).
         step_s = run["train_s"] / run["iterations"]
-        assert 0.5 * budget <= run["train_s"] <= budget + 3 * step_s + 1.0, (name, run["train_s"], step_s)
+        assert 0.5 * budget <= run["train_s"] <= budget + 3 * step_s + 5.0, (name, run["train_s"], step_s)
         assert math.isclose(run["images_per_s"], run["images"] / run["train_s"], rel_tol=1e-2)
         assert len(run["loadavg_start"]) == 3
     assert t["runs"]["torchvision"]["recipe"]["lr"] == pytest.approx(0.02 / 16 * 2)
