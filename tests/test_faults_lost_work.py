@@ -185,3 +185,22 @@ def test_lock_dies_with_the_process_not_with_its_loader_workers(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_overwrite_refuses_to_delete_the_weights_it_starts_from(tmp_path, capsys):
+    """``--overwrite --weights <run>/checkpoints/last.pth`` deleted the checkpoint, then
+    failed to find it: the user lost it. Refused before anything is deleted; the same
+    file outside the folder trains."""
+    train = load_tool("train").main
+    run = tmp_path / "run"
+    args = ["--config", str(TINY_CONFIG), *tiny_overrides(tmp_path / "data", None, "solver.max_iter=1")]
+    assert train([*args, "--output-dir", str(run)]) == 0
+    capsys.readouterr()
+    last = run / "checkpoints" / "last.pth"
+    before = last.read_bytes()
+    assert train([*args, "--output-dir", str(run), "--overwrite", "--weights", str(last)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"error: --overwrite would delete {last}, the weights this run starts from (model.weights), with the old "
+        f"run's files in {run}: copy it out of the folder first, or train into another --output-dir")
+    assert last.read_bytes() == before and (run / "metrics.jsonl").exists()
+    assert train([*args, "--output-dir", str(tmp_path / "other"), "--overwrite", "--weights", str(last)]) == 0

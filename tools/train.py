@@ -24,7 +24,8 @@ from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector import distributed  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
-from detector.engine.run_folder import RunFolder, check_output_dir, check_run_folder_apart_from_data  # noqa: E402
+from detector.engine.run_folder import (RunFolder, check_output_dir, check_overwrite_keeps_weights,  # noqa: E402
+                                        check_run_folder_apart_from_data)
 from detector.engine.trainer import train  # noqa: E402
 
 logger = logging.getLogger("detector.tools.train")
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
         check_output_dir(cfg.train.output_dir)
         check_run_folder_apart_from_data(cfg)
+        check_overwrite_keeps_weights(cfg, args.overwrite)
         info = distributed.init_distributed(cfg.train.device, backend=cfg.train.dist_backend,
                                             timeout_s=cfg.train.dist_timeout_s)
         rank = info.rank

@@ -260,3 +260,23 @@ def check_run_folder_apart_from_data(cfg: Config) -> None:
         if out in data.parents:
             raise ConfigError(f"config key 'data.{split}.root' ({root}) is inside {out_key} ({cfg.train.output_dir}): "
                               "a data folder must not live in a run folder; move the data or the run")
+
+
+def check_overwrite_keeps_weights(cfg: Config, overwrite: bool) -> None:
+    """``--overwrite`` deletes the folder's checkpoints and records (``_RUN_OUTPUTS``)
+    before the model is built: ``model.weights`` (``--weights``) must not be among them,
+    or the run would delete the file it starts from.
+
+    Raises:
+        RunFolderError: one line naming the file and what to do.
+    """
+    if not overwrite or not cfg.model.weights or not os.path.exists(cfg.model.weights):
+        return
+    out = Path(cfg.train.output_dir).resolve()
+    weights = Path(cfg.model.weights).resolve()
+    for deleted in (ckpt.checkpoint_dir(out), *(out / name for name in _RUN_OUTPUTS)):
+        if weights == deleted or deleted in weights.parents:
+            raise RunFolderError(
+                f"--overwrite would delete {cfg.model.weights}, the weights this run starts from (model.weights), "
+                f"with the old run's files in {cfg.train.output_dir}: copy it out of the folder first, or train "
+                "into another --output-dir")

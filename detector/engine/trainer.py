@@ -49,7 +49,8 @@ from detector.engine.ema import ModelEMA
 from detector.engine.memory import check_batch_memory
 from detector.engine.log import DeviceCounter, EventWriters, JSONLWriter, TensorBoardWriter
 from detector.engine.optim import build_lr_scheduler, build_optimizer, resolve_epoch_schedule
-from detector.engine.run_folder import RunFolder, check_output_dir, check_run_folder_apart_from_data
+from detector.engine.run_folder import (RunFolder, check_output_dir, check_overwrite_keeps_weights,
+                                        check_run_folder_apart_from_data)
 from detector.engine.setup import configure_torch, prepare_model
 from detector.engine.static_step import StaticForward
 from detector.engine.step_choice import build_train_step
@@ -104,6 +105,7 @@ def build_trainer(
     if run_folder is None:
         check_output_dir(cfg.train.output_dir)
         check_run_folder_apart_from_data(cfg)
+        check_overwrite_keeps_weights(cfg, overwrite)
     folder = run_folder or RunFolder.open(Path(cfg.train.output_dir), resume, overwrite, dist.rank == 0,
                                           dist.world_size)
     on_close: List[Callable[[], None]] = [folder.close] if run_folder is None else []
