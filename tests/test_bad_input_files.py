@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -266,7 +268,7 @@ def test_tool_help_is_clean_text(tool, capsys):
 # ----------------------------------------------------------------------------- infer.py skips unreadable images
 
 
-def test_infer_skips_unreadable_images_and_names_them(tmp_path, capsys):
+def test_infer_skips_unreadable_images_and_names_them(tmp_path, capsys, caplog):
     cfg_args = ["input.min_size_test=64", "input.max_size_test=96"]
     torch.manual_seed(0)
     from detector.modeling import build_model
@@ -279,11 +281,19 @@ def test_infer_skips_unreadable_images_and_names_them(tmp_path, capsys):
     Image.fromarray(rng.integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(inputs / "a.jpg")
     (inputs / "b_broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     Image.fromarray(rng.integers(0, 255, (70, 50, 3), dtype=np.uint8)).save(inputs / "c.png")
+    # Entries with image names that are no files: a pipe (reading it waited for ever), a
+    # loop of links (a RuntimeError traceback), a folder. Skipped with one warning.
+    os.mkfifo(inputs / "d_pipe.png")
+    (inputs / "e_loop.jpg").symlink_to(inputs / "e_loop.jpg")
+    (inputs / "f_dir.jpg").mkdir()
     out = tmp_path / "out"
+    signal.alarm(120)  # a hang fails the test instead of the suite
     rc = load_tool("infer").main(["--config", str(TINY_CONFIG), "--weights",
                                   str(tmp_path / "w.pth"), "--input", str(inputs), "--output-dir", str(out), *cfg_args])
+    signal.alarm(0)
     captured = capsys.readouterr()
     assert rc == 1
+    assert "skipping 3 entries with image names that are no files: d_pipe.png, e_loop.jpg, f_dir.jpg" in caplog.text
     assert sorted(p.name for p in out.glob("*.png")) == ["a.png", "c.png"]
     records = json.loads((out / "detections.json").read_text())
     assert [Path(r["file"]).name for r in records] == ["a.jpg", "c.png"]
@@ -337,3 +347,19 @@ def test_resume_at_a_run_folder_points_at_its_last_checkpoint(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1 and err.strip() == (f"error: --resume: checkpoint {run} is a folder, not a file; --resume takes a "
                                          f"checkpoint file (a run folder: --resume {run}/checkpoints/last.pth)"), err
+
+
+def test_a_pipe_named_as_an_image_is_an_error_not_a_hang(tmp_path):
+    """A COCO file_name that is a named pipe: opening it waited for a writer, for ever
+    (the checker and the loader); now one line, as for a folder."""
+    img_dir, ann = write_coco(tmp_path, "pipe.jpg")
+    os.mkfifo(img_dir / "pipe.jpg")
+    signal.alarm(60)
+    try:
+        report = check_dataset(coco_cfg(img_dir, ann))
+        with pytest.raises(DataError) as info:
+            load_image(str(img_dir / "pipe.jpg"))
+    finally:
+        signal.alarm(0)
+    assert report.errors == [f"image file {img_dir}/pipe.jpg (image_id 7) is not a regular file"]
+    assert str(info.value) == f"image file {img_dir}/pipe.jpg is not a regular file"

@@ -164,3 +164,16 @@ def test_legend_of_80_classes_wraps_inside_the_image():
     d = render(image, boxes, pred_classes=list(range(1, 81)), class_names=names)
     assert d.legend == names
     assert d.image.shape[2] == 100 * d.scale and d.image.shape[1] > d.image_height + 5 * (13 + 8)  # several rows
+
+
+@pytest.mark.parametrize("h, w, scale", [(1, 60000, 1), (1, 3000, 1), (2, 1000, 4), (120, 160, 3)])
+def test_thin_images_are_not_scaled_past_the_drawing_bound(h, w, scale):
+    """A thin image is scaled up for its shorter side only as far as its longer side stays
+    within MAX_DRAWN_SIDE (a 1 x 60000 PNG made infer draw 320 x 19,200,000 pixels and
+    the process was killed for memory); ordinary sizes are scaled as before."""
+    from detector.evaluation.plots import MAX_DRAWN_SIDE
+
+    image = torch.zeros(3, h, w, dtype=torch.uint8)
+    d = render(image, torch.tensor([[0.0, 0.0, 1.0, 1.0]]), ["a"])
+    assert d.image_height == h * scale and d.image.shape[2] == w * scale
+    assert max(d.image_height, d.image.shape[2]) <= max(MAX_DRAWN_SIDE, h, w)

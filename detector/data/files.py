@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import numpy as np
 from PIL import Image, ImageOps
 
+from detector.files import missing_file_state
 from detector.messages import DetectorError, first_line
 
 
@@ -116,6 +117,11 @@ def decode_image(path: str, image_id: Optional[int] = None, apply_exif: bool = F
     ``load_image``.
     """
     what = f"image file {path}" + (f" (image_id {image_id})" if image_id is not None else "")
+    if not os.path.isfile(path):  # a pipe would make open() wait for a writer, for ever
+        state = missing_file_state(path)
+        if state == "not found":
+            raise FileNotFoundError(f"{what} not found")
+        raise DataError(f"{what} {state}")
     try:
         with Image.open(path) as img:
             img.load()

@@ -284,6 +284,9 @@ def _legend_rows(entries, width: int, font) -> List[List[Tuple[int, str, Optiona
     return rows
 
 
+MAX_DRAWN_SIDE = 4096  # pixels: render() scales small images up, never past this side
+
+
 def render(
     image: torch.Tensor | np.ndarray,
     pred_boxes: Optional[torch.Tensor | np.ndarray] = None,
@@ -309,10 +312,12 @@ def render(
         image: uint8 ``[3, H, W]`` tensor or ``[H, W, 3]`` array.
         pred_boxes, gt_boxes: ``[N, 4]`` xyxy in the pixels of ``image``, or None.
         pred_labels, gt_labels: one caption per box (empty: boxes without captions).
-        min_side: scale up by an integer factor until the shorter side reaches this.
+        min_side: scale up by an integer factor until the shorter side reaches this, as
+            far as the longer side stays within ``MAX_DRAWN_SIDE`` (a 1 x 60000 image
+            would have become 320 x 19,200,000 pixels).
     """
     pil = _to_pil(image)
-    scale = max(1, int(np.ceil(min_side / max(1, min(pil.size)))))
+    scale = max(1, min(int(np.ceil(min_side / max(1, min(pil.size)))), MAX_DRAWN_SIDE // max(pil.size)))
     if scale > 1:
         pil = pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST)
     font = ImageFont.load_default(size=FONT_SIZE)
