@@ -132,6 +132,23 @@ def _voc_overrides(root: Path, out: Path) -> list:
         (["train.amp.enabled=maybe"], "train.amp.enabled"),
         (["train.amp.dtype=float8"], "train.amp.dtype"),
         (["data.class_names=[cat,cat]"], "data.class_names"),
+        # Values that passed the checks and failed later, or trained to nothing: RoIAlign with
+        # 1000 samples per bin side (a kernel that did not return for minutes), an RPN score
+        # threshold above 1 (no proposal, silently), zero box-coder weights (no box loss),
+        # 3 weights (torch's words, no key), an aspect ratio of 1e12 (NaN anchors, NaN losses),
+        # BatchNorm with eps 0 (torch's error after the start), model sizes of 223 GiB.
+        (["roi_heads.sampling_ratio=1000"], "roi_heads.sampling_ratio"),
+        (["rpn.score_thresh=2"], "rpn.score_thresh"),
+        (["rpn.box_coder_weights=[0,0,0,0]"], "rpn.box_coder_weights"),
+        (["roi_heads.box_coder_weights=[10,10,5]"], "roi_heads.box_coder_weights"),
+        (["model.anchors.aspect_ratios=[1e12]"], "model.anchors.aspect_ratios"),
+        (["model.anchors.aspect_ratios=[1e-30]"], "model.anchors.aspect_ratios"),
+        (["model.norm=bn", "model.norm_eps=0"], "model.norm_eps"),
+        (["model.norm_eps=-1"], "model.norm_eps"),
+        (["model.fpn_channels=65536"], "model.fpn_channels"),
+        (["model.size_divisibility=100000"], "model.size_divisibility"),
+        (["roi_heads.pooler_resolution=5000"], "roi_heads.pooler_resolution"),
+        (["roi_heads.representation_size=10000000"], "roi_heads.representation_size"),
     ],
 )
 def test_config_number_out_of_range_names_key(overrides, key):

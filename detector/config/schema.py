@@ -66,13 +66,13 @@ class ModelConfig:
     norm: str = field_("frozen_bn", choices=("frozen_bn", "bn", "syncbn", "gn"))
     # BatchNorm epsilon. torchvision: 1e-5 for a model built without weights, 0.0 for
     # its COCO_V1 detection weights.
-    norm_eps: float = 1e-5
+    norm_eps: float = field_(1e-5, ge=0, le=1)
     gn_groups: int = field_(32, ge=1)
     # Number of leading backbone stages frozen: 0 none, 1 stem, 2 stem+layer1, ... 5 all.
     freeze_at: int = field_(2, ge=0, le=5)
     # ResNet stages (1..4 = layer1..layer4) that feed the FPN.
     return_stages: List[int] = field(default_factory=lambda: [1, 2, 3, 4])
-    fpn_channels: int = field_(256, ge=1)
+    fpn_channels: int = field_(256, ge=1, le=4096)
     # torchvision weights name for the backbone, e.g. "ResNet50_Weights.IMAGENET1K_V1"; "" = random.
     backbone_weights: str = ""
     # Whole-model weights: a local checkpoint path or a torchvision weights name
@@ -81,7 +81,7 @@ class ModelConfig:
     # Normalisation, on the 0..1 scale, applied inside the model.
     pixel_mean: List[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
     pixel_std: List[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
-    size_divisibility: int = field_(32, ge=1)
+    size_divisibility: int = field_(32, ge=1, le=1024)
     # Fixed batch canvases [[H, W], ...] in pixels (each a multiple of size_divisibility):
     # a batch is padded to the smallest canvas that holds it, so the static part of the
     # network (backbone, FPN, RPN head) sees a few shapes only (compiled or CUDA-graph
@@ -100,7 +100,7 @@ class RPNConfig:
     post_nms_topk_test: int = field_(1000, ge=1)  # per image
     nms_thresh: float = field_(0.7, gt=0, le=1)
     min_size: float = field_(1e-3, ge=0)  # pixels
-    score_thresh: float = 0.0
+    score_thresh: float = field_(0.0, ge=0, le=1)
     fg_iou_thresh: float = field_(0.7, gt=0, le=1)
     bg_iou_thresh: float = field_(0.3, ge=0, le=1)
     batch_size_per_image: int = field_(256, ge=1)
@@ -134,10 +134,10 @@ class ROIHeadsConfig:
     bg_iou_hi: float = field_(0.5, ge=0, le=1)
     batch_size_per_image: int = field_(512, ge=1)
     positive_fraction: float = field_(0.25, gt=0, le=1)
-    pooler_resolution: int = field_(7, ge=1)
-    sampling_ratio: int = 2
+    pooler_resolution: int = field_(7, ge=1, le=64)
+    sampling_ratio: int = field_(2, ge=0, le=32, note="(samples per bin side; 0: adaptive)")
     aligned: bool = False
-    representation_size: int = field_(1024, ge=1)
+    representation_size: int = field_(1024, ge=1, le=16384)
     box_coder_weights: List[float] = field(default_factory=lambda: [10.0, 10.0, 5.0, 5.0])
     sigma: float = field_(1.0, gt=0)
     score_thresh: float = field_(0.05, ge=0, le=1)

@@ -278,6 +278,17 @@ def _check_model_keys(cfg: Config) -> None:
         flat = [v for level in values for v in level] if key.endswith("sizes") else list(values)
         if not flat or any(v <= 0 for v in flat):
             raise ConfigError(f"config key '{key}' needs positive values, got {values}")
+    if any(not 1e-3 <= r <= 1e3 for r in model.anchors.aspect_ratios):  # 1e12: anchors of NaN size
+        raise ConfigError(f"config key 'model.anchors.aspect_ratios' takes height / width ratios in 0.001..1000, "
+                          f"got {model.anchors.aspect_ratios}")
+    if model.norm in ("bn", "syncbn") and model.norm_eps <= 0:
+        raise ConfigError(f"config key 'model.norm_eps' must be > 0 with model.norm={model.norm} (BatchNorm trains "
+                          f"with it), got {model.norm_eps}; 0 suits only frozen_bn with torchvision's COCO weights")
+    for key in ("rpn", "roi_heads"):
+        weights = getattr(cfg, key).box_coder_weights
+        if len(weights) != 4 or not all(w > 0 for w in weights):
+            raise ConfigError(f"config key '{key}.box_coder_weights' takes 4 positive numbers (wx, wy, ww, wh), "
+                              f"got {weights}")
 
 
 def _check_recipe_keys(cfg: Config) -> None:
