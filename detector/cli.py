@@ -8,7 +8,7 @@ Every ``tools/*.py`` ends its ``main`` with ``return run_tool(lambda: body(args)
   unwritable path, a bad value, a missing optional package) prints ``error: <its first
   line>`` on stderr and exits with status 1;
 - running out of memory (torch's ``OutOfMemoryError`` on a GPU, a failed allocation on
-  the CPU) prints ``error: out of memory: <how much> ...; use smaller batches or images``
+  the CPU, a ``MemoryError`` of numpy, PIL or Python) prints ``error: out of memory: <how much> ...; use smaller batches or images``
   and exits with 1: the size of a batch or an image is an input like any other;
 - Ctrl-C (``KeyboardInterrupt``) prints ``error: <interrupted>`` and exits with 130;
   SIGTERM prints ``error: stopped by SIGTERM ...`` and exits with 143 (``Terminated``);
@@ -126,6 +126,9 @@ def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
         if line is None:
             raise
         return report_error(exc, line)
+    except MemoryError as exc:  # numpy's and PIL's (a huge array or image), Python's own
+        return report_error(exc, f"out of memory: {first_line(exc).rstrip('. ') or 'MemoryError'}; "
+                                 f"{OUT_OF_MEMORY_ADVICE}")
     except KeyboardInterrupt:
         print(f"error: {interrupted}", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -91,6 +91,12 @@ def test_running_out_of_memory_is_one_line(capsys):
     assert run_tool(_raise(gpu)) == 1
     assert capsys.readouterr().err == ("error: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
                                        f"total capacity of 79.11 GiB of which 1.06 GiB is free; {advice}\n")
+    # numpy's MemoryError (tools/make_shapes.py --min-side 100000 was its traceback), a real one.
+    import numpy as np
+
+    assert run_tool(lambda: np.empty(2**62, dtype=np.uint8)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of memory: Unable to allocate 4.00 EiB") and err.endswith(f"; {advice}\n"), err
 
 
 def test_run_tool_sigterm_keeps_finished_files_and_leaves_no_partial_one(tmp_path, capsys):

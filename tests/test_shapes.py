@@ -157,3 +157,18 @@ def test_shapes_format_does_not_read_coco_ann_file(tmp_path):
     assert len(build_dataset(cfg, "val", is_train=False)) == 2
     report = check_dataset(cfg, "train", decode=False)
     assert report.ok and report.num_images == 3
+
+
+@pytest.mark.parametrize("args, words", [(["--train", "-1"], "--train must be in 1..1000000, got -1"),
+                                         (["--seed", "-1"], "--seed must be in 0..9223372036854775807, got -1"),
+                                         (["--min-side", "100000", "--max-side", "100000"],
+                                          "--min-side must be in 8..8192, got 100000"),
+                                         (["--min-side", "50", "--max-side", "10"], "--max-side must be in 50..8192")])
+def test_make_shapes_arguments_have_the_config_bounds(tmp_path, capsys, args, words):
+    """As data.shapes.* in a config: --train -1 wrote an empty train.json and said it wrote
+    -1 images; a side of 100000 was numpy's out-of-memory traceback; --seed -1 numpy's
+    'expected non-negative integer'."""
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(tmp_path / "s"), *args])
+    assert info.value.code == 2 and words in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "s").exists()

@@ -16,6 +16,7 @@ from typing import Any, List, Optional, Sequence
 # image is 768 MiB before the backbone. (A batch is also estimated against the
 # memory before work starts: detector.engine.memory.)
 MAX_IMAGE_SIDE = 8192
+MAX_SHAPES_IMAGES = 1_000_000  # images per split of the generated shapes set
 # train.seed seeds numpy, whose seeds are 32-bit.
 MAX_SEED = 2**32 - 1
 
@@ -160,11 +161,11 @@ class SplitConfig:
 
 @dataclass
 class ShapesConfig:
-    num_train: int = 600
-    num_val: int = 100
-    seed: int = 0
-    min_side: int = 96
-    max_side: int = 224
+    num_train: int = field_(600, ge=1, le=MAX_SHAPES_IMAGES)
+    num_val: int = field_(100, ge=1, le=MAX_SHAPES_IMAGES)
+    seed: int = field_(0, ge=0, le=2**63 - 1)
+    min_side: int = field_(96, ge=8, le=MAX_IMAGE_SIDE)  # pixels
+    max_side: int = field_(224, ge=8, le=MAX_IMAGE_SIDE)
 
 
 @dataclass
