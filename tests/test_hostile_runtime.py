@@ -209,3 +209,12 @@ def test_other_parameter_groups_are_named(train_tool, capsys, checkpoint, shapes
                      "--resume", str(checkpoint), *tiny_overrides(shapes_root, None, "solver.max_iter=4",
                                                                   "solver.param_groups=[{match: fpn, lr_mult: 2}]"))
     assert "its optimizer has 3 parameter group(s) of [30, 46, 7] parameters, this run's has 5" in line, line
+
+
+def test_resume_past_max_iter_is_refused(train_tool, capsys, checkpoint, shapes_root, tmp_path):
+    """A checkpoint at iteration 2 resumed with solver.max_iter=1 said 'start training at
+    iteration 2 of 1', 'finished', exit 0, and wrote max_iter 1 into config.yaml."""
+    line = run_train(train_tool, capsys, "--config", str(TINY_CONFIG), "--output-dir", str(tmp_path / "run"),
+                     "--resume", str(checkpoint), *tiny_overrides(shapes_root, None, "solver.max_iter=1"))
+    assert line == (f"error: --resume: {checkpoint} is at iteration 2, past solver.max_iter=1: raise solver.max_iter "
+                    "to train on, or evaluate it with tools/eval.py")

@@ -384,6 +384,10 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
         raise CheckpointError(f"--resume: {exc}") from None
     check_class_names(state, path, cfg)
     check_loop_position(state, path, batches_per_epoch, world_size)
+    if int(state["iteration"]) > cfg.solver.max_iter:  # equal: a finished run, evaluated again
+        raise CheckpointError(f"--resume: {path} is at iteration {int(state['iteration'])}, past solver.max_iter="
+                              f"{cfg.solver.max_iter}: raise solver.max_iter to train on, or evaluate it with "
+                              "tools/eval.py")
     check_rng_states(state, path, get_rng_state, set_rng_state)
     check_optimizer_state(state, optimizer, path)
     check_extras(state, path, model)
