@@ -141,3 +141,36 @@ def test_early_stop_ends_the_run_and_an_exact_resume_keeps_the_patience(data_roo
     c = scripted(build_trainer(cfg_b, resume=True))
     assert c.train().iteration == 8
     c.close()
+
+
+@pytest.mark.parametrize("name, words", [
+    ("count_mae", "is 'count_mae', which is smaller when better; best.pth and train.early_stop keep the largest value"),
+    ("val_loss", "is 'val_loss', which is smaller when better"),
+    ("AP_50", "is 'AP_50', not a metric the evaluation writes: choose one of AP, AP50, AP75"),
+])
+def test_best_metric_must_be_written_and_larger_when_better(name, words, tmp_path):
+    """An error measure as train.best_metric kept the worst checkpoint as best.pth, and an
+    unknown name was a warning at the first evaluation (no best.pth): both refused before
+    training; every metric of HIGHER_IS_BETTER is accepted."""
+    from detector.config import ConfigError, load_config
+    from detector.engine.early_stop import check_best_metric
+    from detector.evaluation.report import HIGHER_IS_BETTER
+    from conftest import TINY_CONFIG
+
+    with pytest.raises(ConfigError) as info:
+        check_best_metric(load_config(TINY_CONFIG, [f"train.best_metric={name}"]))
+    assert str(info.value).startswith(f"config key 'train.best_metric' {words}"), str(info.value)
+    for good in HIGHER_IS_BETTER:
+        check_best_metric(load_config(TINY_CONFIG, [f"train.best_metric={good}"]))
+
+
+def test_the_metric_lists_are_what_the_evaluation_writes():
+    from cases import make_coco_case
+    from detector.evaluation import score_detections
+    from detector.evaluation.report import HIGHER_IS_BETTER, LOWER_IS_BETTER
+
+    gt, dets = make_coco_case(num_images=4)
+    written = set(score_detections(gt, dets).metrics)
+    assert written == set(HIGHER_IS_BETTER) | {"count_mae"}
+    assert set(LOWER_IS_BETTER) - {"count_mae"} == {"val_loss", "val_loss_rpn_cls", "val_loss_rpn_box",
+                                                    "val_loss_roi_cls", "val_loss_roi_box"}

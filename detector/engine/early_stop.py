@@ -13,7 +13,27 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Mapping, Optional
 
+from detector.config import Config, ConfigError
+from detector.evaluation.report import HIGHER_IS_BETTER, LOWER_IS_BETTER
+
 MISSING_SENTINEL = -1.0  # pycocotools: "no ground truth for this metric"
+
+
+def check_best_metric(cfg: Config) -> None:
+    """``train.best_metric`` must be a metric the evaluation writes, and one that is
+    larger when better: ``best.pth`` and the patience keep the largest value.
+
+    Raises:
+        ConfigError: one line naming the key, before training (it was a warning at the
+            first evaluation and no ``best.pth``; an error measure kept the worst model).
+    """
+    name = cfg.train.best_metric
+    if name in LOWER_IS_BETTER:
+        raise ConfigError(f"config key 'train.best_metric' is {name!r}, which is smaller when better; best.pth and "
+                          f"train.early_stop keep the largest value: choose one of {', '.join(HIGHER_IS_BETTER)}")
+    if name not in HIGHER_IS_BETTER:
+        raise ConfigError(f"config key 'train.best_metric' is {name!r}, not a metric the evaluation writes: choose "
+                          f"one of {', '.join(HIGHER_IS_BETTER)}")
 
 
 def metric_value(metrics: Mapping[str, float], name: str) -> Optional[float]:

@@ -44,7 +44,7 @@ from detector.engine.amp import AmpSettings, resolve_amp
 from detector.engine.checkpointing import Checkpointer, ResumePoint, TrainingState, resume_training
 from detector.engine.hooks import (EMAHook, EvalHook, MetricsWriter, NonFiniteGuard, PairedValidator,
                                    PeriodicCheckpointer, SignalHook, Validator)
-from detector.engine.early_stop import EarlyStopping
+from detector.engine.early_stop import EarlyStopping, check_best_metric
 from detector.engine.ema import ModelEMA
 from detector.engine.memory import check_batch_memory
 from detector.engine.log import DeviceCounter, EventWriters, JSONLWriter, TensorBoardWriter
@@ -98,6 +98,7 @@ def build_trainer(
     """
     if cfg.solver.max_iter <= 0 and cfg.solver.max_epochs <= 0:
         raise ValueError(f"solver.max_iter must be > 0 (or solver.max_epochs), got {cfg.solver.max_iter}")
+    check_best_metric(cfg)
     dist = dist_info or init_distributed(cfg.train.device, backend=cfg.train.dist_backend,
                                          timeout_s=cfg.train.dist_timeout_s)
     configure_torch(cfg)

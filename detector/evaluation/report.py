@@ -366,6 +366,12 @@ def _in_dataset_order(detections: List[Detections], dataset_ids: List[int]) -> D
     return joined.take(np.argsort(keys, kind="stable"))
 
 
+# The flat metrics ``evaluate`` writes, by the way each one improves (train.best_metric).
+HIGHER_IS_BETTER = (*COCO_METRIC_NAMES, "mAP_voc07", "mAP_voc_area", "mean_iou", "precision_50", "recall_50", "f1_50",
+                    "precision_75", "recall_75", "f1_75", "count_pearson")
+LOWER_IS_BETTER = ("count_mae", "val_loss", *(f"val_{k}" for k in LOSS_NAMES))  # the last five with compute_val_loss
+
+
 def _mean_val_losses(parts: List[Dict[str, Any]]) -> Dict[str, float]:
     """``val_<loss>`` (the mean over all images of every rank) and their sum ``val_loss``,
     from each rank's ``{"sum": {loss: total}, "count": images}``."""
