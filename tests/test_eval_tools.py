@@ -430,6 +430,6 @@ def test_a_val_set_without_boxes_is_said_once(tiny_setup, tmp_path):
         if name == "boxes":
             assert no_gt == [] and metrics["AR100"] >= 0
         else:
-            assert no_gt == [f"{ann_file} holds no box to score (none, or crowd ones only): every COCO metric is -1 "
-                             "(no ground truth)"], name
-            assert metrics["AP"] == -1
+            assert no_gt == [f"{ann_file} holds no box to score (none, or crowd ones only): every COCO metric and the "
+                             "VOC mAPs are -1 (no ground truth)"], name
+            assert metrics["AP"] == metrics["mAP_voc07"] == metrics["mAP_voc_area"] == -1  # the VOC ones were 0.0

@@ -62,6 +62,9 @@ def test_hand_worked_case():
     assert math.isnan(res[3].ap_area)  # no ground truth: undefined, left out of the mean
     assert mean_ap(res, "area") == pytest.approx((AP_AREA + 0.0) / 2)
     assert mean_ap(res, "voc07") == pytest.approx((AP07 + 0.0) / 2)
+    # No class with ground truth: -1, as pycocotools' "cannot compute" (it was 0.0, a worst score).
+    no_gt = {3: res[3]}
+    assert mean_ap(no_gt, "area") == mean_ap(no_gt, "voc07") == mean_ap({}, "area") == -1.0
 
 
 def test_difficult_changes_nothing():

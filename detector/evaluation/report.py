@@ -115,8 +115,8 @@ def score_detections(
     """
     image_ids, gt_cat_ids = check_ground_truth(gt)
     if all(a.get("iscrowd", 0) for a in gt["annotations"]):
-        logger.warning("%s holds no box to score (none, or crowd ones only): every COCO metric is -1 (no ground "
-                       "truth)", source)
+        logger.warning("%s holds no box to score (none, or crowd ones only): every COCO metric and the VOC mAPs "
+                       "are -1 (no ground truth)", source)
     dets = as_detections(results)
     check_detection_ids(dets, image_ids, gt_cat_ids)
     coco = coco_evaluate(gt, dets, backend=backend, check=False)

@@ -254,6 +254,8 @@ def voc_evaluate(
 
 
 def mean_ap(per_class: Dict[int, VOCClassResult], rule: str = "area") -> float:
-    """Mean of the per-class AP over classes with ground truth (``rule``: ``voc07``|``area``)."""
+    """Mean of the per-class AP over classes with ground truth (``rule``: ``voc07``|``area``);
+    -1 where no class has any (as pycocotools reports an AP it cannot compute: 0.0 read
+    as a measured, worst score)."""
     values = [r.ap_voc07 if rule == "voc07" else r.ap_area for r in per_class.values() if r.num_gt > 0]
-    return float(np.mean(values)) if values else 0.0
+    return float(np.mean(values)) if values else -1.0
