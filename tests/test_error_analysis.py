@@ -140,3 +140,31 @@ def test_analysis_on_the_real_coco_results_file(tmp_path):
     assert counts["tp"] + counts["missed"] <= free  # each object at most once as found or missed
     assert (out / "analysis" / "analysis.png").stat().st_size > 1000
     assert len(list((out / "analysis" / "worst_images").glob("*.png"))) == 3
+
+
+def test_worst_images_are_drawn_on_their_own_pictures_only(tmp_path, caplog, capsys):
+    """--image-dir with other pictures of the same names (another size): the boxes were
+    drawn on the wrong images; a folder that does not exist fell back to grey canvases
+    without a word. Now: a file of another size is not used (grey, one warning), the right
+    one is, and --image-dir that is no folder is a usage error."""
+    from conftest import load_tool
+
+    gt, dets = hand_made()
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (700, 700), (255, 0, 0)).save(images / "1.jpg")  # the annotated size
+    Image.new("RGB", (640, 480), (0, 0, 255)).save(images / "2.jpg")  # another picture
+    with caplog.at_level("WARNING"):
+        run_analysis(gt, dets, tmp_path / "out", score_thresh=0.5, num_images=2, image_dir=images)
+    first = np.asarray(Image.open(tmp_path / "out" / "worst_images" / "1.png"))
+    second = np.asarray(Image.open(tmp_path / "out" / "worst_images" / "2.png"))
+    from detector.evaluation.analysis import GREY
+
+    assert first[350, 2, 0] > 240 and first[350, 2, 1:].max() < 15  # drawn on its (red) picture (JPEG)
+    assert second[350, 2].tolist() == [GREY] * 3  # a grey canvas, not the blue picture of another size
+    assert f"--image-dir {images}: 1 of the 2 worst images drawn on a grey canvas instead (first: " \
+           f"{images / '2.jpg'} is 640x480, the annotation 700x700)" in caplog.text
+    for bad in (tmp_path / "nope", images / "1.jpg"):
+        with pytest.raises(SystemExit) as info:
+            load_tool("eval").parse_args(["--predictions", "p.json", "--annotations", "a.json", "--image-dir", str(bad)])
+        assert info.value.code == 2 and f"--image-dir {bad} " in capsys.readouterr().err

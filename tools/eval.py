@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -75,6 +76,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--analysis-images must be >= 0, got {args.analysis_images}")
     if not (model_mode or file_mode):
         p.error("give --config and --weights, or --predictions with --annotations/--voc-root")
+    if args.image_dir is not None and not os.path.isdir(args.image_dir):  # the drawings fell back to grey canvases
+        p.error(f"--image-dir {args.image_dir} is not a folder" if os.path.exists(args.image_dir)
+                else f"--image-dir {args.image_dir} not found")
     return args
 
 

@@ -22,9 +22,10 @@ localisation or both error points at (such an object is counted by that error).
 from __future__ import annotations
 
 import csv
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import matplotlib
 
@@ -36,10 +37,13 @@ from PIL import Image  # noqa: E402
 from torchvision.ops import box_iou  # noqa: E402
 
 from detector.data.files import DataError, load_image  # noqa: E402
+from detector.messages import first_line  # noqa: E402
 
 from .iou import EvalImage, greedy_match, group_by_image  # noqa: E402
 from .plots import render  # noqa: E402
 from .report import write_json  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 ERROR_TYPES = ("classification", "localisation", "both", "duplicate", "background", "missed")
 FG_IOU = 0.5  # TIDE's foreground threshold
@@ -186,16 +190,23 @@ def plot_error_breakdown(analysis: ErrorAnalysis, path: str | Path, title: str =
     return path
 
 
-def _image_array(info: Dict[str, Any], image_dir: Optional[str | Path]) -> np.ndarray:
+def _image_array(info: Dict[str, Any], image_dir: Optional[str | Path]) -> Tuple[np.ndarray, Optional[str]]:
     """The image of a ground-truth ``images`` entry from ``image_dir``, or a grey canvas
-    of its ``height x width`` when there is no folder or no readable file."""
-    if image_dir is not None:
-        try:
-            return load_image(str(Path(image_dir) / str(info.get("file_name", ""))))
-        except (FileNotFoundError, DataError, OSError):
-            pass
+    of its ``height x width`` when there is no folder, no readable file, or a file of
+    another size (another picture: its boxes would be drawn on the wrong one); with the
+    reason for the canvas (None: the image itself, or no folder given)."""
     h, w = int(info.get("height") or 0), int(info.get("width") or 0)
-    return np.full((max(h, 1), max(w, 1), 3), GREY, dtype=np.uint8)
+    canvas = np.full((max(h, 1), max(w, 1), 3), GREY, dtype=np.uint8)
+    if image_dir is None:
+        return canvas, None
+    path = Path(image_dir) / str(info.get("file_name", ""))
+    try:
+        image = load_image(str(path))
+    except (FileNotFoundError, DataError, OSError) as exc:
+        return canvas, first_line(exc)
+    if image.shape[:2] != (h, w):
+        return canvas, f"{path} is {image.shape[1]}x{image.shape[0]}, the annotation {w}x{h}"
+    return image, None
 
 
 def draw_worst_images(analysis: ErrorAnalysis, gt: Dict[str, Any], results: Any, output_dir: str | Path, n: int,
@@ -208,18 +219,23 @@ def draw_worst_images(analysis: ErrorAnalysis, gt: Dict[str, Any], results: Any,
     names = {int(c["id"]): str(c.get("name", c["id"])) for c in gt["categories"]}
     infos = {int(img["id"]): img for img in gt["images"]}
     records = group_by_image(gt, results)
-    paths = []
+    paths, canvases = [], []
     for image_id in analysis.worst_images(n):
         rec, verdict = records[image_id], analysis.images[image_id]
         wrong = [(k, i) for k, i in zip(verdict.dt_kind, verdict.dt_index) if k in ERROR_TYPES]
         captions = [f"{k} {names.get(int(rec.dt_cats[i]), rec.dt_cats[i])} {rec.dt_scores[i]:.2f}" for k, i in wrong]
         missed = set(verdict.missed)
         gt_captions = [f"missed {names.get(int(c), c)}" if j in missed else "" for j, c in enumerate(rec.gt_cats)]
-        drawing = render(_image_array(infos[image_id], image_dir), rec.dt_boxes[[i for _, i in wrong]].reshape(-1, 4),
+        image, why_canvas = _image_array(infos[image_id], image_dir)
+        canvases += [why_canvas] if why_canvas else []
+        drawing = render(image, rec.dt_boxes[[i for _, i in wrong]].reshape(-1, 4),
                          captions, gt_boxes=rec.gt_boxes, gt_labels=gt_captions)
         path = out / f"{image_id}.png"
         Image.fromarray(drawing.image.permute(1, 2, 0).numpy()).save(path)
         paths.append(path)
+    if canvases:
+        logger.warning("--image-dir %s: %d of the %d worst images drawn on a grey canvas instead (first: %s)",
+                       image_dir, len(canvases), len(paths), canvases[0])
     return paths
 
 
