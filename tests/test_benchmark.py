@@ -292,3 +292,12 @@ def test_static_accuracy_trains_both_steps_per_seed(tmp_path):
         cfg = yaml.safe_load((tmp_path / "out" / f"{arm}_0" / "config.yaml").read_text())
         assert cfg["train"]["static_step"] is static and cfg["train"]["seed"] == 0
         assert (tmp_path / "out" / f"{arm}_0" / "checkpoints" / "last.pth").is_file()
+
+
+@pytest.mark.parametrize("args", [["--eval-images", "0"], ["--eval-boxes", "-1"]])
+def test_an_empty_generated_eval_case_is_a_usage_error(args, capsys):
+    """--eval-images 0 was an IndexError inside pycocotools; --eval-boxes -1 numpy's
+    'lam < 0', naming no option."""
+    with pytest.raises(SystemExit) as info:
+        load_tool("benchmark").parse_args(["--config", str(TINY), "--task", "eval", *args])
+    assert info.value.code == 2 and "--eval-images and --eval-boxes must be >= 1" in capsys.readouterr().err

@@ -31,8 +31,8 @@ def training_samples(cfg: Config, num: int, epoch: int = 0) -> Tuple[List[Tuple[
     of the image, ``labels`` int64 ``[N]``), and the class names of labels 1..K."""
     if num < 1:
         raise ValueError(f"--num must be at least 1, got {num}")
-    if epoch < 0:
-        raise ValueError(f"--epoch must be at least 0 (the first epoch), got {epoch}")
+    if not 0 <= epoch < 2**62:  # the sampler's seed is an int64 built from it
+        raise ValueError(f"--epoch must be in 0..{2**62 - 1} (0: the first epoch), got {epoch}")
     dataset = build_dataset(cfg, "train", is_train=True)
     sampler = TrainingSampler(len(dataset), shuffle=True, seed=cfg.train.seed)
     sampler.set_epoch(epoch)
