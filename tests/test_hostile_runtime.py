@@ -135,7 +135,8 @@ CRAFTED = {
     "iteration_negative": ("iteration", -100, "field 'iteration' is -100; it must be in 0..9223372036854775807"),
     "iteration_string": ("iteration", "2", "field 'iteration' must be an integer, got '2'"),
     "iteration_float": ("iteration", 2.0, "field 'iteration' must be an integer, got 2.0"),
-    "epoch_position_huge": ("epoch_position", 10**6, "field 'epoch_position' is 1000000; it must be in 0..4"),
+    "epoch_position_huge": ("epoch_position", 10**6, "field 'epoch_position' is 1000000, past the 4 batches of an "
+                            "epoch of this run's training set: has the training set changed since the checkpoint?"),
     "epoch_negative": ("epoch", -1, "field 'epoch' is -1; it must be in 0..2"),
     "schedule_disagrees": ("scheduler.last_epoch", 7, "field 'scheduler.last_epoch' is 7 but 'iteration' is 2"),
     "best_value_nan": ("best_value", float("nan"), "field 'best_value' must be a finite number or null, got nan"),

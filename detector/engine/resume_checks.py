@@ -80,7 +80,11 @@ def check_loop_position(state: Dict[str, Any], path: Path, batches_per_epoch: Op
     if batches_per_epoch is not None:
         # The same world size splits the data the same way; another one, at most the whole set.
         limit = batches_per_epoch if saved_world == world_size else batches_per_epoch * world_size
-    _int_field(state, "epoch_position", path, default=0, high=limit)
+    position = _int_field(state, "epoch_position", path, default=0)
+    if position > limit:  # a sound checkpoint of a larger training set, or a crafted field
+        raise CheckpointError(f"--resume: {path}: field 'epoch_position' is {position}, past the {limit} batches of an "
+                              "epoch of this run's training set: has the training set changed since the checkpoint? "
+                              "Resume with its data, or start from its weights with --weights")
     scheduler = state.get("scheduler")
     if not isinstance(scheduler, dict) or not _is_int(scheduler.get("last_epoch")):
         raise CheckpointError(f"--resume: {path}: field 'scheduler.last_epoch' must be an integer, got "
