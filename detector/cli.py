@@ -111,8 +111,11 @@ def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
         if armed[0]:
             raise Terminated(signal.Signals(signum).name)
 
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread and getattr(signal.getsignal(signal.SIGINT), "during_imports", False):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # tools/_bootstrap.py's, while the tool imported
     previous = None
-    if threading.current_thread() is threading.main_thread() and not one_of_several_ranks():
+    if main_thread and not one_of_several_ranks():
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         try:

@@ -159,3 +159,21 @@ def test_run_tool_leaves_sigterm_alone_in_one_of_several_ranks(env, monkeypatch)
         monkeypatch.setenv(key, value)
     assert run_tool(lambda: seen.append(signal.getsignal(signal.SIGTERM)) or 0) == 0
     assert seen[1] is before and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_ctrl_c_while_a_tool_imports_is_one_line(tmp_path):
+    """Ctrl-C in the seconds a tool imports torch and detector was a KeyboardInterrupt
+    traceback through the imports: now the tool's one line and status 130."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "summary.py"), "--config", "configs/tiny_cpu.yaml"],
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # _bootstrap has run (first import); torch is still importing
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "error: interrupted", (proc.returncode, err[-2000:])

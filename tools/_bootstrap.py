@@ -12,6 +12,11 @@
   ``benchmarks`` (a top-level package next to it, not installed with ``detector``)
   import from a checkout without installing anything.
 
+- Ctrl-C while the tool imports torch and ``detector`` (seconds) prints the tool's one
+  line, ``error: interrupted``, and exits with 130 instead of a ``KeyboardInterrupt``
+  traceback through the imports; ``run_tool`` puts Python's own handler back before the
+  tool's work (where a SIGINT that was ignored, as for a background job, stays ignored).
+
 Both variables are ``setdefault``: a value in the environment wins. The library itself
 writes no environment variable (tests/test_no_network_at_import.py).
 """
@@ -19,6 +24,7 @@ writes no environment variable (tests/test_no_network_at_import.py).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -28,3 +34,17 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+def _interrupted_while_importing(signum: int, frame: object) -> None:
+    sys.stderr.write("error: interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)  # nothing is written yet: no file to finish
+
+
+_interrupted_while_importing.during_imports = True  # type: ignore[attr-defined]  (run_tool replaces it)
+# Only for a tool run as a program (not when a test or a notebook imports one), and not
+# where SIGINT is ignored or handled by someone else.
+_as_program = Path(sys.argv[0] if sys.argv else "").resolve().parent == Path(__file__).resolve().parent
+if _as_program and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
