@@ -202,9 +202,13 @@ def test_one_line_errors(model, images, tmp_path, monkeypatch):
         assert not (tmp_path / "m.onnx").exists()
         # An opset the exporter writes but this onnxruntime may not run (RoiAlign(22) in
         # onnxruntime 1.32): the file is written; the check says why it cannot run it.
-        export_model(model, "onnx", tmp_path / "m22.onnx", images[0], opset=22)
         try:
-            assert all(r.ok for r in verify_export(model, "onnx", tmp_path / "m22.onnx", images))
+            export_model(model, "onnx", tmp_path / "m22.onnx", images[0], opset=22)
+        except ExportError as exc:  # an exporter older than opset 22 (torch 2.6): the message above
+            assert str(exc).startswith("--opset 22: torch ") and "cannot export it" in str(exc), str(exc)
+        try:
+            if (tmp_path / "m22.onnx").exists():
+                assert all(r.ok for r in verify_export(model, "onnx", tmp_path / "m22.onnx", images))
         except ExportError as exc:
             assert re.fullmatch(rf"onnxruntime \S+ cannot run {re.escape(str(tmp_path))}/m22.onnx \(.*NOT_IMPLEMENTED.*"
                                 r"RoiAlign\(22\).*\), so it is not checked: export with a lower --opset \(the default "
