@@ -123,6 +123,7 @@ def test_a_leading_tilde_in_a_tool_path_option_is_the_home_folder(tool, tmp_path
     """``--output-dir=~/runs`` reaches the tool as written (a shell expands ``~`` only at
     the start of a word): every path option expands it, as the config's path keys do."""
     monkeypatch.setenv("HOME", str(tmp_path / "me"))
+    (tmp_path / "me" / "image-dir").mkdir(parents=True)  # eval checks --image-dir is a folder
     options = TOOL_PATH_OPTIONS[tool]
     argv = [f"{opt}=~/{opt.strip('-')}" for opt in options] + EXTRA_ARGS.get(tool, [])
     args = load_tool(tool).parse_args(argv)
