@@ -45,6 +45,13 @@ def missing_file_state(path: "str | os.PathLike") -> str:
     return "is not a regular file" if path.exists() else "not found"
 
 
+def no_file_message(what: str, path: "str | os.PathLike") -> str:
+    """The message for ``path``, a ``what`` to read that is no file: ``"<what> not found:
+    <path>"``, or ``"<what> <path> is a folder, not a file"`` (``missing_file_state``)."""
+    state = missing_file_state(path)
+    return f"{what} not found: {path}" if state == "not found" else f"{what} {path} {state}"
+
+
 def output_folder(path: "str | os.PathLike", what: str = "output folder") -> Path:
     """Create ``path`` (and its parents) if needed and check it is a writable folder.
 

@@ -19,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from detector.files import missing_file_state, write_text
+from detector.files import no_file_message, write_text
 from detector.messages import first_line
 
 from .schema import Config
@@ -58,8 +58,7 @@ def _read_yaml(path: Path, seen: Tuple[Path, ...] = ()) -> List[Tuple[dict, str]
         chain = " -> ".join(str(p) for p in (*seen, path))
         raise ConfigError(f"config 'base:' chain has a cycle: {chain}")
     if not path.is_file():
-        state = missing_file_state(path)
-        raise ConfigError(f"config file not found: {path}" if state == "not found" else f"config file {path} {state}")
+        raise ConfigError(no_file_message("config file", path))
     try:
         data = load_yaml(_read_text(path))
     except YAMLRefused as exc:

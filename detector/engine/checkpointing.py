@@ -34,7 +34,7 @@ from torch import nn
 
 from detector.config import Config, config_to_dict
 from detector.distributed import all_gather_object
-from detector.files import atomic_write, missing_file_state
+from detector.files import atomic_write, no_file_message
 from detector.engine.optim import WarmupLRScheduler
 from detector.engine.resume_checks import (
     CheckpointError,
@@ -338,8 +338,7 @@ def load_checkpoint(path: "str | os.PathLike") -> Dict[str, Any]:
     """
     path = Path(path)
     if not path.is_file():
-        state = missing_file_state(path)
-        raise CheckpointError(f"checkpoint not found: {path}" if state == "not found" else f"checkpoint {path} {state}")
+        raise CheckpointError(no_file_message("checkpoint", path))
     try:
         return read_weights_file(path)
     except WeightsError as exc:

@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from tqdm import tqdm
 
 from detector.data.files import DataError, decode_image, exif_warning
-from detector.files import OutputError, atomic_write, missing_file_state, output_folder
+from detector.files import OutputError, atomic_write, missing_file_state, no_file_message, output_folder
 
 from .plots import render
 from .results import Detections
@@ -269,18 +269,17 @@ def list_images(path: str | Path) -> List[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        named = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-        files = [p for p in named if p.is_file()]  # not a folder, a pipe (reading it would wait for ever), a broken link
-        if len(files) < len(named):
-            others = [p for p in named if not p.is_file()]
+        files, others = [], []  # others: a folder, a pipe (reading it would wait for ever), a broken link
+        for p in sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES):
+            (files if p.is_file() else others).append(p)
+        if others:
             logger.warning("--input %s: skipping %d entries with image names that are no files: %s (%s)", path,
                            len(others), ", ".join(p.name for p in others[:3]) + (" ..." if len(others) > 3 else ""),
                            missing_file_state(others[0]))
         if not files:
             raise FileNotFoundError(f"no image files ({', '.join(IMAGE_SUFFIXES)}) in {path}")
         return files
-    state = missing_file_state(path)
-    raise FileNotFoundError(f"input not found: {path}" if state == "not found" else f"input {path} {state}")
+    raise FileNotFoundError(no_file_message("input", path))
 
 
 def output_paths(paths: Sequence[Path], output_dir: str | Path) -> List[Path]:

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from detector.files import atomic_write, missing_file_state
+from detector.files import atomic_write, no_file_message
 from detector.messages import DetectorError
 
 FIELDS = ("image_id", "category_id", "bbox", "score")
@@ -288,8 +288,7 @@ def load_json_file(path: str | Path, what: str) -> Any:
     """
     path = Path(path)
     if not path.is_file():
-        state = missing_file_state(path)
-        raise FileNotFoundError(f"{what} file not found: {path}" if state == "not found" else f"{what} file {path} {state}")
+        raise FileNotFoundError(no_file_message(f"{what} file", path))
     try:
         # bytes: json detects UTF-8 (a byte-order mark dropped), UTF-16 and UTF-32 itself
         return json.loads(path.read_bytes())
