@@ -54,8 +54,11 @@ OUT_OF_MEMORY_ADVICE = "use smaller batches or images (solver.images_per_gpu, ev
 def out_of_memory_line(exc: BaseException) -> Optional[str]:
     """The one line for ``exc`` when it says that memory ran out (torch's
     ``OutOfMemoryError``, whose class this bottom layer knows by name; the CPU
-    allocator's "can't allocate memory"); None for any other exception."""
+    allocator's "can't allocate memory"; a ``MemoryError`` of numpy, PIL or Python);
+    None for any other exception."""
     text = first_line(exc)
+    if isinstance(exc, MemoryError):
+        return f"out of memory: {text.rstrip('. ') or 'MemoryError'}; {OUT_OF_MEMORY_ADVICE}"
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
         return f"out of memory: {text.rstrip('. ')}; {OUT_OF_MEMORY_ADVICE}"
     cpu = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", text)
@@ -124,14 +127,11 @@ def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
             armed[0] = False
     except EXPECTED_ERRORS as exc:
         return report_error(exc)
-    except RuntimeError as exc:
+    except (RuntimeError, MemoryError) as exc:
         line = out_of_memory_line(exc)
         if line is None:
             raise
         return report_error(exc, line)
-    except MemoryError as exc:  # numpy's and PIL's (a huge array or image), Python's own
-        return report_error(exc, f"out of memory: {first_line(exc).rstrip('. ') or 'MemoryError'}; "
-                                 f"{OUT_OF_MEMORY_ADVICE}")
     except KeyboardInterrupt:
         print(f"error: {interrupted}", file=sys.stderr)
         return EXIT_INTERRUPTED
