@@ -10,13 +10,14 @@ train/ and val/ JPEGs; the same seed gives byte-identical files.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Optional, Sequence
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
 from detector.cli import run_tool, user_path  # noqa: E402
-from detector.config.schema import MAX_IMAGE_SIDE, MAX_SHAPES_IMAGES  # noqa: E402
+from detector.config.schema import ShapesConfig  # noqa: E402
 from detector.data.shapes import generate_shapes  # noqa: E402
 
 
@@ -29,12 +30,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--min-side", type=int, default=96)
     parser.add_argument("--max-side", type=int, default=224)
     args = parser.parse_args(argv)
-    # The bounds of the config's data.shapes keys (a -1 wrote an empty train.json; a side of
-    # 100000 ran out of memory).
-    for option, value, low, high in (("--train", args.train, 1, MAX_SHAPES_IMAGES),
-                                      ("--val", args.val, 1, MAX_SHAPES_IMAGES), ("--seed", args.seed, 0, 2**63 - 1),
-                                      ("--min-side", args.min_side, 8, MAX_IMAGE_SIDE),
-                                      ("--max-side", args.max_side, args.min_side, MAX_IMAGE_SIDE)):
+    # The bounds of the config's data.shapes keys, read from the schema (a -1 wrote an empty
+    # train.json; a side of 100000 ran out of memory); --max-side also from --min-side.
+    bounds = {f.name: (f.metadata["ge"], f.metadata["le"]) for f in dataclasses.fields(ShapesConfig)}
+    for option, key in (("--train", "num_train"), ("--val", "num_val"), ("--seed", "seed"),
+                        ("--min-side", "min_side"), ("--max-side", "max_side")):
+        value = getattr(args, option[2:].replace("-", "_"))
+        low, high = bounds[key]
+        low = max(low, args.min_side) if key == "max_side" else low
         if not low <= value <= high:
             parser.error(f"{option} must be in {low}..{high}, got {value}")
     return args
