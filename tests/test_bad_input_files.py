@@ -22,6 +22,9 @@ from detector.config import load_config
 from detector.data import CocoDetection, DataError, VOCDetection, build_dataset
 from detector.data.check import check_dataset, format_report
 from detector.data.files import load_image
+from detector.data.schema import load_coco_json
+from detector.data.split import read_voc_images
+from detector.data.voc_xml import read_voc_split
 from conftest import load_tool
 from conftest import ROOT, TINY_CONFIG  # noqa: E402
 
@@ -363,3 +366,57 @@ def test_a_pipe_named_as_an_image_is_an_error_not_a_hang(tmp_path):
         signal.alarm(0)
     assert report.errors == [f"image file {img_dir}/pipe.jpg (image_id 7) is not a regular file"]
     assert str(info.value) == f"image file {img_dir}/pipe.jpg is not a regular file"
+
+
+def _pipe_in_place_of(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+@pytest.mark.parametrize("which", ["xml", "split"])
+def test_a_pipe_named_as_a_voc_file_is_an_error_not_a_hang(tmp_path, which):
+    """Every reader of an annotation file checks it is a regular file before opening it
+    (an open of a named pipe waits for a writer for ever)."""
+    root = make_voc(tmp_path)
+    path = root / "Annotations" / "2008_000001.xml" if which == "xml" else root / "ImageSets" / "Main" / "train.txt"
+    _pipe_in_place_of(path)
+    what = "VOC annotation file" if which == "xml" else "VOC split file"
+    signal.alarm(60)
+    try:
+        with pytest.raises(DataError) as info:
+            VOCDetection(root, "train", class_names=["cat", "dog"])
+        with pytest.raises(DataError) as split_info:
+            read_voc_images(root, "train" if which == "split" else None)
+    finally:
+        signal.alarm(0)
+    assert str(info.value).endswith(f"{what} {path} is not a regular file"), str(info.value)
+    assert str(split_info.value).endswith(f"{what} {path} is not a regular file"), str(split_info.value)
+
+
+def test_a_pipe_named_as_a_coco_file_is_an_error_not_a_hang(tmp_path, capsys):
+    img_dir, ann = write_coco(tmp_path, "ok.jpg")
+    _pipe_in_place_of(ann)
+    signal.alarm(60)
+    try:
+        with pytest.raises(DataError, match=f"^annotation file {ann} is not a regular file$"):
+            load_coco_json(ann)
+        code = load_tool("split_dataset").main(["--annotations", str(ann), "--out", str(tmp_path / "out"), "--fractions", "0.5", "0.5"])
+    finally:
+        signal.alarm(0)
+    assert code == 1 and f"annotation file {ann} is not a regular file" in capsys.readouterr().err
+
+
+def test_voc_ids_with_spaces_are_refused_not_cut_at_the_space(tmp_path):
+    """'my photo 1' was read as 'my' (another image's file, or 'not found: my.xml');
+    split_dataset wrote such ids into lists its own reader cut."""
+    root = make_voc(tmp_path)
+    for sub, suffix in (("Annotations", ".xml"), ("JPEGImages", ".jpg")):
+        (root / sub / f"2008_000001{suffix}").rename(root / sub / f"my photo 1{suffix}")
+    (root / "ImageSets" / "Main" / "train.txt").write_text("my photo 1\n")
+    with pytest.raises(DataError, match=r"train\.txt line 1: 'my photo 1' is not an image id .*VOC ids hold no spaces"):
+        VOCDetection(root, "train", class_names=["cat", "dog"])
+    with pytest.raises(DataError, match=r"my photo 1\.xml: a VOC image id cannot hold spaces"):
+        read_voc_images(root)
+    # VOC's per-class lists: an id and a -1/0/1 flag.
+    (root / "ImageSets" / "Main" / "train.txt").write_text("a -1\nb  1\n\nc\n")
+    assert read_voc_split(root / "ImageSets" / "Main" / "train.txt") == ["a", "b", "c"]

@@ -131,3 +131,25 @@ def test_image_and_annotation_ids_above_2_53_score_as_small_ones(backend):
     got = coco_evaluate(big_gt, big_dets, backend=backend)
     assert got.metrics == small.metrics and got.per_class_ap == small.per_class_ap
     np.testing.assert_array_equal(got.precision, small.precision)
+
+
+@pytest.mark.parametrize("bad_area", [-1.0, 0.0, 1e11, None])
+def test_an_impossible_area_is_the_box_area_not_an_ignored_box(case, bad_area, caplog):
+    """An area no object in its box can have (-1, 0, 1e11 in another unit; null) put the
+    box outside every COCO area range: ignored, so a missed box cost no AP (AP 1.0 for
+    half the boxes found). It is scored as a box of area w * h, with a warning."""
+    gt, dets = case
+    bad, fixed = copy.deepcopy(gt), copy.deepcopy(gt)
+    changed = [a for a in bad["annotations"] if not a["iscrowd"]][::3]
+    for a in changed:
+        a["area"] = bad_area
+    for a in [a for a in fixed["annotations"] if not a["iscrowd"]][::3]:
+        a["area"] = a["bbox"][2] * a["bbox"][3]
+    with caplog.at_level("WARNING", logger="detector"):
+        res = coco_evaluate(bad, dets)
+    ref = reference_stats(fixed, dets)
+    np.testing.assert_allclose([res.metrics[k] for k in COCO_METRIC_NAMES], ref[:12], rtol=0, atol=1e-9)
+    if bad_area is not None:  # pycocotools on the file as it is scores otherwise (null: a TypeError)
+        assert not np.allclose(reference_stats(bad, dets)[:12], ref[:12], rtol=0, atol=1e-6)
+    if bad_area is not None:
+        assert f"{len(changed)} annotation(s) have an 'area' no object in their box can have" in caplog.text

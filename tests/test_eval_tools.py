@@ -366,7 +366,7 @@ def test_prediction_file_errors_are_named(case_files, tmp_path):
     d, gt, _ = case_files
     bad = {"images": [{"id": 0, "file_name": "nowhere.jpg"}], "annotations": []}
     (tmp_path / "p.json").write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match=r"image 0 \(nowhere.jpg\) is not in the ground truth"):
+    with pytest.raises(ValueError, match=r"images\[0\] \(file_name 'nowhere.jpg'\) is not in the ground truth"):
         load_predictions(tmp_path / "p.json", gt)
     no_score = {"annotations": [{"image_id": 100, "category_id": 1, "bbox": [0, 0, 1, 1]}]}
     (tmp_path / "q.json").write_text(json.dumps(no_score))
@@ -433,3 +433,68 @@ def test_a_val_set_without_boxes_is_said_once(tiny_setup, tmp_path):
             assert no_gt == [f"{ann_file} holds no box to score (none, or crowd ones only): every COCO metric and the "
                              "VOC mAPs are -1 (no ground truth)"], name
             assert metrics["AP"] == metrics["mAP_voc07"] == metrics["mAP_voc_area"] == -1  # the VOC ones were 0.0
+
+
+def _dict_form(gt, dets, file_names=None):
+    """``dets`` as a COCO-format dict with its own image and category ids (reversed),
+    mapped back by file name and category name."""
+    n = len(gt["images"])
+    own_image = {img["id"]: n - k for k, img in enumerate(gt["images"])}
+    own_cat = {c["id"]: 100 + k for k, c in enumerate(gt["categories"])}
+    names = file_names or {img["id"]: img["file_name"] for img in gt["images"]}
+    return {"images": [{"id": own_image[img["id"]], "file_name": names[img["id"]]} for img in gt["images"]],
+            "categories": [{"id": own_cat[c["id"]], "name": c["name"]} for c in gt["categories"]],
+            "annotations": [dict(d, image_id=own_image[d["image_id"]], category_id=own_cat[d["category_id"]])
+                            for d in dets]}
+
+
+def test_dict_form_predictions_map_every_entry_or_none(case_files, tmp_path):
+    """A dict-form results file maps its own ids by file name and category name. One entry
+    without a name turned the mapping off: the file's own ids were taken as the ground
+    truth's, silently (AP 0)."""
+    from detector.evaluation import coco_evaluate, load_predictions
+
+    d, gt, dets = case_files
+    full = _dict_form(gt, dets)
+    (tmp_path / "ok.json").write_text(json.dumps(full))
+    mapped = load_predictions(tmp_path / "ok.json", gt)
+    assert coco_evaluate(gt, mapped).metrics["AP"] == pytest.approx(coco_evaluate(gt, dets).metrics["AP"], abs=1e-12)
+    cases = {
+        "no_file_name": (lambda p: p["images"][3].pop("file_name"),
+                         r"images\[3\] has no 'file_name' \(images\[0\] has one"),
+        "no_name": (lambda p: p["categories"][1].pop("name"), r"categories\[1\] has no 'name'"),
+        "int_file_name": (lambda p: p["images"][0].update(file_name=7), r"images\[0\]: 'file_name' must be a string, got 7"),
+        "list_image_id": (lambda p: p["annotations"][0].update(image_id=[1]),
+                          r"annotations\[0\] has image_id \[1\], not an id of its 'images'"),
+        "str_id": (lambda p: p["categories"][0].update(id="a"), r"categories\[0\]: 'id' must be an integer, got \"a\""),
+    }
+    for name, (edit, expected) in cases.items():
+        bad = json.loads(json.dumps(full))
+        edit(bad)
+        (tmp_path / f"{name}.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=expected):
+            load_predictions(tmp_path / f"{name}.json", gt)
+
+
+def test_dict_form_file_names_match_whole_paths_not_only_base_names(case_files, tmp_path):
+    """Ground truth a/x.jpg and b/x.jpg: matching by base name gave both images one id
+    (their detections mixed, AP 0.73 for perfect boxes). Whole names match; an
+    ambiguous base name is refused; a unique base name still matches."""
+    from detector.evaluation import coco_evaluate, load_predictions
+
+    d, gt, dets = case_files
+    gt = json.loads(json.dumps(gt))
+    for k, img in enumerate(gt["images"]):
+        img["file_name"] = f"{'ab'[k % 2]}/{k // 2:04d}.jpg"  # a/0000.jpg, b/0000.jpg, ...
+    (tmp_path / "p.json").write_text(json.dumps(_dict_form(gt, dets)))
+    mapped = load_predictions(tmp_path / "p.json", gt)
+    assert coco_evaluate(gt, mapped).metrics["AP"] == pytest.approx(coco_evaluate(gt, dets).metrics["AP"], abs=1e-12)
+    base = {img["id"]: img["file_name"].split("/")[1] for img in gt["images"]}
+    (tmp_path / "q.json").write_text(json.dumps(_dict_form(gt, dets, base)))
+    with pytest.raises(ValueError, match=r"images\[0\]: file name '0000.jpg' matches 2 ground-truth images by its "
+                                         r"base name \('a/0000.jpg', 'b/0000.jpg'\)"):
+        load_predictions(tmp_path / "q.json", gt)
+    gt["images"] = gt["images"][:1] + [dict(img, file_name=f"c/{img['id']}.jpg") for img in gt["images"][1:]]
+    elsewhere = {img["id"]: "other/" + img["file_name"].split("/")[1] for img in gt["images"]}
+    (tmp_path / "r.json").write_text(json.dumps(_dict_form(gt, dets, elsewhere)))
+    assert len(load_predictions(tmp_path / "r.json", gt).score) == len(dets)

@@ -204,3 +204,24 @@ def test_overwrite_refuses_to_delete_the_weights_it_starts_from(tmp_path, capsys
         f"run's files in {run}: copy it out of the folder first, or train into another --output-dir")
     assert last.read_bytes() == before and (run / "metrics.jsonl").exists()
     assert train([*args, "--output-dir", str(tmp_path / "other"), "--overwrite", "--weights", str(last)]) == 0
+
+
+def test_overwrite_deletes_nothing_when_the_new_run_is_refused(tmp_path, capsys):
+    """``--overwrite`` with a typo in a class name deleted the old run's checkpoints, then
+    refused the config. The old run is deleted only once the new one is built; a run
+    refused by its checks leaves every file of the old one."""
+    train = load_tool("train").main
+    run = tmp_path / "run"
+    args = ["--config", str(TINY_CONFIG), *tiny_overrides(tmp_path / "data", None, "solver.max_iter=1"),
+            "--output-dir", str(run)]
+    assert train(args) == 0
+    capsys.readouterr()
+    kept = lambda: {p.relative_to(run): p.read_bytes() for p in run.rglob("*")  # noqa: E731
+                    if p.is_file() and p.name not in (".lock", "log.txt")}
+    before = kept()
+    assert train([*args, "--overwrite", "data.class_names=[circel]"]) == 1
+    assert "'circel' is not a category name" in capsys.readouterr().err
+    assert kept() == before and (run / "checkpoints" / "last.pth").is_file()
+    assert "'circel' is not a category name" in (run / "log.txt").read_text()  # the log is this attempt's
+    assert train([*args, "--overwrite", "solver.max_iter=2"]) == 0  # a good run replaces it
+    assert torch.load(run / "checkpoints" / "last.pth", weights_only=False)["iteration"] == 2

@@ -153,6 +153,17 @@ def test_nonfinite_steps_in_a_row_stop_at_a_logging_point(data_root, tmp_path):
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
 
+def test_a_run_whose_every_step_was_skipped_does_not_finish(data_root, tmp_path):
+    """Fewer steps than train.max_nonfinite_steps, all skipped (counted on the device):
+    read at the last step, the run stops instead of ending as finished."""
+    cfg = tiny_config(data_root, tmp_path / "a", *STATIC, *GRAPHS, "solver.max_iter=3", "train.log_period=10")
+    trainer = build_trainer(cfg, eager_static=True)
+    nan_backbone(trainer, {1, 2, 3})
+    with pytest.raises(NonFiniteLossError, match="all 3 steps of this run .* at iteration 3"):
+        trainer.train()
+    trainer.close()
+
+
 def test_scheduler_fills_a_tensor_lr_in_place():
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=0.1, fused=True)

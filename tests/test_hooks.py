@@ -304,6 +304,23 @@ def test_guard_saves_the_untouched_state_when_no_checkpoint_exists(tmp_path):
     assert ck.saved == {"last.pth": 2}
 
 
+def test_guard_stops_a_run_whose_every_step_was_skipped(tmp_path):
+    """Fewer skipped steps than the limit, but all of them: the run trained nothing and
+    must not end as finished (a short run, or a resumed one near max_iter)."""
+    nan = result(float("nan"), 1.0, float("nan"))
+    ck = make_checkpointer(tmp_path / "a", Params())
+    with pytest.raises(NonFiniteLossError) as e:
+        run_steps([NonFiniteGuard(5, ck)], LoopState(max_iter=3), [nan] * 3)
+    assert "all 3 steps of this run had a non-finite loss" in str(e.value) and "\n" not in str(e.value)
+    resumed = LoopState(max_iter=12, iteration=10, start_iter=10)
+    with pytest.raises(NonFiniteLossError, match="all 2 steps of this run .* at iteration 12"):
+        run_steps([NonFiniteGuard(5, make_checkpointer(tmp_path / "b", Params()))], resumed, [nan] * 2)
+    # Controls: one finite step trained something; a run not at its end goes on.
+    run_steps([NonFiniteGuard(5, make_checkpointer(tmp_path / "c", Params()))], LoopState(max_iter=3),
+              [result(1.0, 1.0), nan, nan])
+    run_steps([NonFiniteGuard(5, make_checkpointer(tmp_path / "d", Params()))], LoopState(max_iter=4), [nan] * 3)
+
+
 # --------------------------------------------------------------------------- evaluation
 
 

@@ -266,6 +266,19 @@ def test_overrides_after_resume_are_accepted(train_tool, argv, resume, overrides
     assert args.resume == resume and args.overrides == overrides
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    (["solver.steps=[80,60]"], "config key 'solver.steps' takes increasing values, got [80, 60] (60 after 80)"),
+    (["solver.max_iter=0", "solver.max_epochs=12", "solver.steps_epochs=[8,11,9]"],
+     "config key 'solver.steps_epochs' takes increasing values, got [8, 11, 9] (9 after 11)"),
+])
+def test_lr_steps_out_of_order_are_refused_not_sorted(overrides, expected):
+    """[80, 60] is likelier a typo than a schedule (it was sorted silently)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY_CONFIG, overrides)
+    assert str(err.value) == expected
+    assert load_config(TINY_CONFIG, ["solver.steps=[60,60,80]"]).solver.steps == [60, 60, 80]  # repeats: gamma twice, as torch's MultiStepLR
+
+
 def test_override_after_resume_checkpoint_reaches_the_config(train_tool, capsys, tmp_path):
     """The override after ``--resume CKPT`` is applied: an out-of-range value in that place
     is refused by the config check (before it would have been an argparse usage error)."""

@@ -11,6 +11,7 @@ import difflib
 import functools
 import io
 import logging
+import math
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -54,6 +55,9 @@ def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_fi
 # 80 ids in use up to 90). Beyond them the id space is sparse (taxonomy or database ids)
 # and the predictor would be mostly unused labels, or too big to build (ids near 2**40).
 MAX_UNUSED_PER_CATEGORY = 10
+# An annotation's 'area' may exceed its box's w * h by this factor (+1 px²) before
+# coco_area calls it impossible (COCO's boxes and polygons are rounded).
+AREA_SLACK = 1.05
 MIN_SPARSE_CATEGORY_ID = 1000
 
 
@@ -197,7 +201,7 @@ def _coco_records(
     """One ``ImageRecord`` per valid image, in order: each ``[x, y, w, h]`` becomes
     ``[x, y, x + w, y + h]`` and goes through :func:`check_box` (skips and clips counted in
     ``issues``); area is the annotation's positive ``area``, else ``w * h``."""
-    records = []
+    records, replaced = [], []
     image_dir = str(image_dir)
     for img in good_images:
         width, height = int(img.width), int(img.height)
@@ -208,13 +212,37 @@ def _coco_records(
                             f"annotation file {ann_file}: annotation id {ann.id} (image_id {img.id})", issues)
             if box is None:
                 continue
-            area = ann.area if ann.area is not None and ann.area > 0 else w * h
+            area = coco_area(ann.area, w, h)
+            if ann.area is not None and area != ann.area:
+                replaced.append((ann.id, ann.area, w, h))
             rows.append((box, category_id_to_label[ann.category_id], bool(ann.iscrowd),
                          bool(ann.difficult or ann.ignore and not ann.iscrowd), ann.id, area))
         arrays = rows_to_arrays(rows)
         records.append(ImageRecord(image_id=img.id, path=path_within(image_dir, img.file_name),
                                    width=width, height=height, **arrays))
+    if replaced:
+        logger.warning("%s", area_warning(ann_file, replaced))
     return records
+
+
+def coco_area(area: Optional[float], w: float, h: float) -> float:
+    """The area COCO evaluation files a box under (its small / medium / large ranges, and
+    the "all" range of ``[0, 1e10]`` px²): the annotation's ``area`` where it can be the
+    area of an object in a ``w`` x ``h`` box (finite, > 0, at most ``w * h`` with
+    ``AREA_SLACK`` for rounding), else ``w * h``. An area of -1 or of 1e11 (another unit)
+    would otherwise put the box outside every range: ignored, silently, in every AP."""
+    box = float(w) * float(h)
+    if area is None or not math.isfinite(area) or area <= 0 or area > box * AREA_SLACK + 1.0:
+        return box
+    return float(area)
+
+
+def area_warning(source: str, replaced: Sequence[Tuple[Any, float, float, float]]) -> str:
+    """One line for the annotations whose ``area`` ``coco_area`` replaced: ``(id, area,
+    w, h)`` each."""
+    ann_id, area, w, h = replaced[0]
+    return (f"{source}: {len(replaced)} annotation(s) have an 'area' no object in their box can have (annotation "
+            f"id {ann_id}: area {area:g} in a {w:g} x {h:g} box); the box area w * h is used in their place")
 
 
 def parse_coco(

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Optional, Tuple
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from detector.files import missing_file_state
+from detector.files import missing_file_state, no_file_message
 from detector.messages import DetectorError, first_line
 
 
@@ -35,7 +36,7 @@ def read_json_bytes(path: str, what: str) -> bytes:
         FileNotFoundError: no such file.
         DataError: unreadable, or not text in the detected encoding.
     """
-    raw = _file_bytes(path, what)
+    raw = read_file_bytes(path, what)
     encoding = json.detect_encoding(raw)
     return raw if encoding == "utf-8" else _decoded(raw, encoding, path, what).encode("utf-8")
 
@@ -44,16 +45,25 @@ def read_text_file(path: str | os.PathLike, what: str) -> str:
     """The text of file ``path`` (a list of ids, ...), in UTF-8 with or without a
     byte-order mark, UTF-16 or UTF-32, told apart as ``read_json_bytes`` does (a Windows
     editor's "Unicode" is UTF-16). Errors as ``read_json_bytes``'."""
-    raw = _file_bytes(path, what)
+    raw = read_file_bytes(path, what)
     return _decoded(raw, json.detect_encoding(raw), path, what)
 
 
-def _file_bytes(path: str | os.PathLike, what: str) -> bytes:
+def read_file_bytes(path: str | os.PathLike, what: str) -> bytes:
+    """The bytes of the regular file ``path`` (``what`` names it in the messages).
+
+    Raises:
+        FileNotFoundError: no such file; DataError: a folder, a link to nothing, a
+            device or a named pipe (whose ``open`` would wait for a writer for ever), or
+            unreadable.
+    """
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise DataError(no_file_message(what, path))
         with open(path, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} not found: {path}") from None
+        raise FileNotFoundError(no_file_message(what, path)) from None
     except OSError as exc:
         raise DataError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
 

@@ -37,9 +37,9 @@ import numpy as np
 
 from .coco import parse_coco
 from .dataset import Issues
-from .files import read_text_file
+from .files import DataError
 from .schema import load_coco_json, raise_error
-from .voc_xml import read_voc_xml
+from .voc_xml import read_voc_split, read_voc_xml
 from detector.files import output_folder, write_text
 from detector.messages import DetectorError
 
@@ -210,14 +210,15 @@ def read_voc_images(root: str | os.PathLike, split: Optional[str] = None) -> Lab
     root = Path(root)
     if split:
         split_file = root / "ImageSets" / "Main" / f"{split}.txt"
-        if not split_file.is_file():
-            raise FileNotFoundError(f"VOC split file not found: {split_file}")
-        ids = list(dict.fromkeys(line.split()[0] for line in read_text_file(split_file, "VOC split file").splitlines()
-                                 if line.strip()))
+        ids = list(dict.fromkeys(read_voc_split(split_file)))
     else:
         ids = sorted(p.stem for p in (root / "Annotations").glob("*.xml"))
         if not ids:
             raise FileNotFoundError(f"no VOC annotation files in {root / 'Annotations'}")
+        spaced = next((i for i in ids if len(i.split()) != 1), None)
+        if spaced is not None:  # the lists written would not read back
+            raise DataError(f"{root / 'Annotations' / (spaced + '.xml')}: a VOC image id cannot hold spaces (an "
+                            "image-set list takes one id a line): rename the file and its image")
     names_per_image = []
     for vid in ids:
         parsed = read_voc_xml(root / "Annotations" / f"{vid}.xml", raise_error)

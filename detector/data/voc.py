@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
-from .files import DataError, path_within, read_text_file
+from .files import DataError, path_within
 from .schema import VocObject
-from .voc_xml import read_voc_xml
+from .voc_xml import read_voc_split, read_voc_xml
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +41,13 @@ def voc_image_ids(ids: Sequence[str]) -> List[int]:
 
 
 def _voc_split_ids(split_file: Path, issues: Issues) -> List[str]:
-    """The image ids listed in ``split_file`` (first word of each non-blank line), each
-    once, in file order; an id listed more than once is an error in ``issues``.
+    """The image ids listed in ``split_file`` (``voc_xml.read_voc_split``), each once, in
+    file order; an id listed more than once is an error in ``issues``.
 
     Raises:
-        FileNotFoundError: ``split_file`` does not exist.
+        FileNotFoundError: ``split_file`` does not exist; DataError: see ``read_voc_split``.
     """
-    if not split_file.is_file():
-        raise FileNotFoundError(f"VOC split file not found: {split_file}")
-    ids = [line.split()[0] for line in read_text_file(split_file, "VOC split file").splitlines() if line.strip()]
+    ids = read_voc_split(split_file)
     counts = Counter(ids)
     for name, n in counts.items():
         if n > 1:

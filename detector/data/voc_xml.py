@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 import msgspec
 
-from .files import DataError
+from .files import DataError, read_file_bytes, read_text_file
 from .schema import OnError, VocFile, VocObject, VocSize, describe
 
 
@@ -61,12 +61,9 @@ def _parse_xml(xml_path: Path) -> ET.Element:
             or a root element other than ``<annotation>`` (namespaces are dropped: VOC's
             tags under an ``xmlns`` are read).
     """
+    raw = read_file_bytes(xml_path, "VOC annotation file")
     try:
-        root = ET.parse(xml_path).getroot()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"VOC annotation file not found: {xml_path}") from None
-    except OSError as exc:
-        raise DataError(f"VOC annotation file {xml_path} cannot be read: {exc.strerror or exc}") from None
+        root = ET.fromstring(raw)  # bytes: the XML declaration's encoding applies
     except ET.ParseError as exc:
         raise DataError(f"VOC annotation file {xml_path} is not valid XML: {exc}") from None
     except (LookupError, ValueError) as exc:  # encoding="klingon", a multi-byte encoding expat lacks
@@ -119,3 +116,28 @@ def read_voc_xml(xml_path: Path, on_error: OnError) -> Optional[VocFile]:
             on_error(f"{where}: {describe(f'object[{j}]', exc, entry)}")
             objects.append(None)
     return VocFile(size=size, objects=objects)
+
+
+# The class lists of ImageSets/Main (``<class>_<split>.txt``) add a flag to each id.
+_CLASS_LIST_FLAGS = ("-1", "0", "1")
+
+
+def read_voc_split(split_file: Path) -> List[str]:
+    """The image ids of a VOC image-set list (``ImageSets/Main/<split>.txt``), in file
+    order, repeats kept: one id a line, or an id and a -1/0/1 flag (VOC's per-class
+    lists). Blank lines are skipped.
+
+    Raises:
+        FileNotFoundError: no such file; DataError: no regular file, unreadable, or a
+            line that is not an id (VOC ids hold no spaces: ``my photo 1`` is refused,
+            not read as ``my``).
+    """
+    ids = []
+    for n, line in enumerate(read_text_file(split_file, "VOC split file").splitlines(), 1):
+        words = line.split()
+        if len(words) == 2 and words[1] in _CLASS_LIST_FLAGS or len(words) == 1:
+            ids.append(words[0])
+        elif words:
+            raise DataError(f"VOC split file {split_file} line {n}: {line.strip()!r} is not an image id (one id a "
+                            "line, or an id and a -1/0/1 flag; VOC ids hold no spaces)")
+    return ids

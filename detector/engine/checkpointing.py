@@ -145,8 +145,11 @@ class TrainingState:
         }
 
 
+CHECKPOINT_DIR_NAME = "checkpoints"
+
+
 def checkpoint_dir(output_dir: "str | os.PathLike") -> Path:
-    return Path(output_dir) / "checkpoints"
+    return Path(output_dir) / CHECKPOINT_DIR_NAME
 
 
 def numbered_checkpoint_name(iteration: int) -> str:

@@ -7,7 +7,14 @@
 - refuses a fresh start (no ``resume``) into a folder that already holds checkpoints,
   naming what it holds and the choices: ``--resume``, another ``--output-dir``, or
   ``--overwrite``, which deletes the old checkpoints, metrics, TensorBoard events,
-  evaluations and log;
+  evaluations and log (``clear_previous_run``, called once the new run is built: a run
+  that fails its checks deletes nothing but the old ``log.txt``, which then holds the
+  refused attempt's log);
+- refuses a folder that no run of this project used (no ``.lock``) but holds a name a
+  run writes (``eval/``, ``log.txt``, ``config.yaml``...: ``RUN_FILES``): they are the
+  user's, and a run would replace them;
+- refuses ``--resume <checkpoint>`` of another folder into a folder that holds
+  checkpoints of its own (the resumed run would replace them);
 - with ``resume=True`` picks ``checkpoints/last.pth`` (or the newest ``iter_*.pth``),
   or, when there is none, says so and starts fresh: one command line serves the first
   start and every automatic restart;
@@ -33,7 +40,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import IO, Any, List, Optional, Tuple
+from typing import IO, Any, List, Optional, Sequence, Tuple
 
 from detector.config import Config, ConfigError
 from detector.engine import checkpointing as ckpt
@@ -44,7 +51,10 @@ from detector.messages import DetectorError
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
-_RUN_OUTPUTS = ("metrics.jsonl", "tb", "eval", "log.txt")
+LOG_NAME = "log.txt"
+_RUN_OUTPUTS = ("metrics.jsonl", "tb", "eval", LOG_NAME)
+# Every name a run writes at the top of its folder (besides LOCK_NAME).
+RUN_FILES = (*_RUN_OUTPUTS, ckpt.CHECKPOINT_DIR_NAME, "config.yaml", "summary.json")
 
 
 class RunFolderError(DetectorError, RuntimeError):
@@ -53,6 +63,10 @@ class RunFolderError(DetectorError, RuntimeError):
 
 def _checkpoint_files(output_dir: Path) -> List[Path]:
     return sorted(ckpt.checkpoint_dir(output_dir).glob("*.pth"))
+
+
+def _shown(files: Sequence[Path]) -> str:
+    return ", ".join(p.name for p in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
 def _remove(path: Path) -> None:
@@ -90,10 +104,12 @@ class RunFolder:
         resume_from: the checkpoint to resume from, or None for a fresh start.
     """
 
-    def __init__(self, path: Path, resume_from: Optional[Path], lock_file: Optional[IO[str]] = None) -> None:
+    def __init__(self, path: Path, resume_from: Optional[Path], lock_file: Optional[IO[str]] = None,
+                 to_clear: Sequence[Path] = ()) -> None:
         self.path = path
         self.resume_from = resume_from
         self._lock_file = lock_file
+        self._to_clear = list(to_clear)
 
     @classmethod
     def open(
@@ -136,6 +152,7 @@ class RunFolder:
     def _open_main(cls, path: Path, resume: Any, overwrite: bool) -> "RunFolder":
         if resume not in (None, False) and overwrite:
             raise RunFolderError("--resume and --overwrite exclude each other: continue the run, or delete it and start over")
+        used = (path / LOCK_NAME).exists()  # a run of this project had the folder
         try:
             path.mkdir(parents=True, exist_ok=True)
             lock_file = open(path / LOCK_NAME, "a+")
@@ -159,9 +176,12 @@ class RunFolder:
             lock_file.truncate()
             lock_file.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
             lock_file.flush()
-            folder = cls(path, cls._resume_point(path, resume, overwrite), lock_file)
+            resume_from, to_clear = cls._resume_point(path, resume, overwrite, used)
+            folder = cls(path, resume_from, lock_file, to_clear)
         except BaseException:
             lock_file.close()
+            if not used:
+                (path / LOCK_NAME).unlink(missing_ok=True)  # refused: the folder stays as it was
             raise
         stale = remove_stale_temp_files(path)
         if stale:
@@ -169,8 +189,11 @@ class RunFolder:
         return folder
 
     @staticmethod
-    def _resume_point(path: Path, resume: Any, overwrite: bool) -> Optional[Path]:
-        """The checkpoint to continue from (None: fresh), clearing an old run for a fresh start."""
+    def _resume_point(path: Path, resume: Any, overwrite: bool, used: bool) -> Tuple[Optional[Path], List[Path]]:
+        """The checkpoint to continue from (None: fresh), and for a fresh start the old
+        run's files to delete (``clear_previous_run``). ``used``: the folder had a lock
+        file (a run of this project used it)."""
+        held = _checkpoint_files(path)
         if resume not in (None, False, True, ""):
             explicit = Path(resume)
             if not explicit.is_file():
@@ -180,26 +203,44 @@ class RunFolder:
                 last = explicit / "checkpoints" / "last.pth"
                 hint = f" (a run folder: --resume {last})" if last.is_file() else ""
                 raise RunFolderError(f"--resume: checkpoint {explicit} {state}; --resume takes a checkpoint file{hint}")
-            return explicit
-        held = _checkpoint_files(path)
+            if held and explicit.resolve().parent != ckpt.checkpoint_dir(path).resolve():
+                raise RunFolderError(
+                    f"--resume {explicit}: run folder {path} holds checkpoints of its own ({_shown(held)}), which "
+                    f"the resumed run would replace: resume into another --output-dir (or --resume "
+                    f"{ckpt.checkpoint_dir(path) / 'last.pth'} to continue the folder's own run)")
+            return explicit, []
         if resume in (True, ""):
             found = ckpt.find_resume_checkpoint(path)
             if found is not None:
-                return found
+                return found, []
             logger.info("--resume: no checkpoint to continue in %s; starting a fresh run", ckpt.checkpoint_dir(path))
             held = []  # (at most a best.pth: the new run replaces it at its first evaluation)
         if held and not overwrite:
-            shown = ", ".join(p.name for p in held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
             raise RunFolderError(
-                f"run folder {path} already holds checkpoints ({shown}): continue it with --resume, "
+                f"run folder {path} already holds checkpoints ({_shown(held)}): continue it with --resume, "
                 "choose another --output-dir, or pass --overwrite to delete them and start over"
             )
+        foreign = [name for name in RUN_FILES if not used and (path / name).exists()]
+        if foreign:
+            raise RunFolderError(
+                f"train.output_dir {path} holds {', '.join(foreign)}, but no run of this project used it (it has no "
+                f"{LOCK_NAME}): a run would replace them; choose another --output-dir (a new or empty folder)")
+        # The previous run's records must not mix with this one's. The log goes now: this
+        # attempt's log starts here (a refused one leaves its reason in log.txt).
+        _remove(path / LOG_NAME)
+        return None, ([ckpt.checkpoint_dir(path)] if held else []) + [path / n for n in _RUN_OUTPUTS if n != LOG_NAME]
+
+    def clear_previous_run(self) -> None:
+        """Delete the previous run's checkpoints (``--overwrite``) and records, for a fresh
+        start (rank 0; nothing on a resume). Called once the new run is built, so a run
+        refused by its checks (a typo in a class name) deletes nothing."""
+        held = [p for p in self._to_clear if p.name == ckpt.CHECKPOINT_DIR_NAME and p.is_dir()]
         if held:
-            logger.warning("--overwrite: deleting %d checkpoints of the previous run in %s", len(held), path)
-            _remove(ckpt.checkpoint_dir(path))
-        for name in _RUN_OUTPUTS:  # the previous run's records must not mix with this one's
-            _remove(path / name)
-        return None
+            logger.warning("--overwrite: deleting %d checkpoints of the previous run in %s",
+                           len(_checkpoint_files(self.path)), self.path)
+        for path in self._to_clear:
+            _remove(path)
+        self._to_clear = []
 
     def close(self) -> None:
         """Release the lock (rank 0)."""

@@ -144,6 +144,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
         resumed = resume_training(folder.resume_from, training_state, checkpointer, dist.rank, len(loader))
         state.iteration, state.epoch, state.epoch_position = resumed.iteration, resumed.epoch, resumed.epoch_position
 
+    folder.clear_previous_run()  # built and checked: the old run's files may go
     writers = _open_run_records(cfg, output_dir, state.iteration, resumed is not None, is_main)
     on_close.insert(0, writers.close)
     ema = _build_ema(cfg, model_without_ddp, training_state, resumed)

@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from detector.data.coco import area_warning, coco_area
+
 from .results import (  # noqa: F401  (UnknownImageError: part of this module's API)
     Detections,
     UnknownImageError,
@@ -93,17 +95,22 @@ def _backend_classes(backend: str):
     raise ValueError(f"eval.backend must be one of {BACKENDS}; got {backend!r}")
 
 
-def _gt_copy(gt: Dict[str, Any]) -> Dict[str, Any]:
+def _gt_copy(gt: Dict[str, Any], source: str = "ground truth") -> Dict[str, Any]:
     """A copy the COCO libraries may mutate (they write ``ignore`` into annotations),
-    with ``area``, ``iscrowd`` and ``id`` filled where missing."""
-    anns = []
+    with ``iscrowd`` and ``id`` filled where missing and ``area`` as
+    ``detector.data.coco.coco_area`` gives it (missing, null or impossible: ``w * h``,
+    with one warning naming ``source``)."""
+    anns, replaced = [], []
     for i, ann in enumerate(gt["annotations"]):
         a = dict(ann)
-        if "area" not in a:
-            a["area"] = float(a["bbox"][2]) * float(a["bbox"][3])
+        a["area"] = coco_area(ann.get("area"), a["bbox"][2], a["bbox"][3])
+        if ann.get("area") is not None and a["area"] != ann["area"]:
+            replaced.append((ann.get("id", i + 1), ann["area"], a["bbox"][2], a["bbox"][3]))
         a.setdefault("iscrowd", 0)
         a.setdefault("id", i + 1)
         anns.append(a)
+    if replaced:
+        logger.warning("%s", area_warning(source, replaced))
     out = {k: v for k, v in gt.items() if k != "annotations"}
     out["annotations"] = anns
     return out

@@ -6,8 +6,8 @@ file, the section, the index and the field."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from pathlib import Path, PurePath
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -111,23 +111,9 @@ def load_predictions(path: str | Path, gt: Dict[str, Any]) -> Detections:
         return data
     if not isinstance(data, dict) or "annotations" not in data:
         raise ResultsError(f"{path}: expected a list of COCO results or a dict with 'annotations'")
-    image_map: Optional[Dict[Any, Any]] = None
-    cat_map: Optional[Dict[Any, Any]] = None
-    if data.get("images") and all("file_name" in img for img in data["images"]):
-        gt_by_name = {Path(img["file_name"]).name: img["id"] for img in gt["images"] if "file_name" in img}
-        image_map = {}
-        for img in data["images"]:
-            name = Path(img["file_name"]).name
-            if name not in gt_by_name:
-                raise ResultsError(f"{path}: image {img.get('id')!r} ({name}) is not in the ground truth")
-            image_map[img.get("id")] = gt_by_name[name]
-    if data.get("categories") and all("name" in c for c in data["categories"]):
-        gt_cats = {c["name"]: c["id"] for c in gt["categories"]}
-        cat_map = {}
-        for cat in data["categories"]:
-            if cat["name"] not in gt_cats:
-                raise ResultsError(f"{path}: category {cat['name']!r} is not in the ground-truth categories")
-            cat_map[cat.get("id")] = gt_cats[cat["name"]]
+    image_map = _id_map(data, "images", "file_name", _gt_image_names(gt), path)
+    cat_map = _id_map(data, "categories", "name",
+                      lambda name: {str(c.get("name", c["id"])): c["id"] for c in gt["categories"]}.get(name), path)
     results = []
     for i, ann in enumerate(data["annotations"]):
         if not isinstance(ann, dict):
@@ -135,15 +121,71 @@ def load_predictions(path: str | Path, gt: Dict[str, Any]) -> Detections:
         if "score" not in ann:
             raise ResultsError(f"{path}: annotations[{i}] has no 'score' (is this a ground-truth file?)")
         res = {k: ann[k] for k in ("image_id", "category_id", "bbox", "score") if k in ann}
-        if image_map is not None:
-            if ann.get("image_id") not in image_map:
-                raise ResultsError(f"{path}: annotations[{i}] has image_id {ann.get('image_id')!r}, not in its 'images'")
-            res["image_id"] = image_map[ann["image_id"]]
-        if cat_map is not None:
-            if ann.get("category_id") not in cat_map:
-                raise ResultsError(f"{path}: annotations[{i}] has category_id {ann.get('category_id')!r}, not in its 'categories'")
-            res["category_id"] = cat_map[ann["category_id"]]
+        for key, section, mapping in (("image_id", "images", image_map), ("category_id", "categories", cat_map)):
+            if mapping is None:
+                continue
+            value = ann.get(key)
+            if not _is_int(value) or int(value) not in mapping:
+                raise ResultsError(f"{path}: annotations[{i}] has {key} {_describe(value)}, not an id of its '{section}'")
+            res[key] = mapping[int(value)]
         results.append(res)
     dets = detections_from_records(results, source=f"{path}: annotations")
     check_detection_ids(dets, image_ids, cat_ids, source=f"{path}: annotations")
     return dets
+
+
+def _gt_image_names(gt: Dict[str, Any]) -> Callable[[str], Any]:
+    """A lookup of ``gt``'s image ids by ``file_name``: the whole name first, else the
+    base name where one ground-truth image has it (a results file written beside other
+    folders: ``a/x.jpg`` against ``x.jpg``). A base name two ground-truth images share
+    (``a/x.jpg``, ``b/x.jpg``) is not guessed: ``ResultsError`` naming both."""
+    by_name = {str(img["file_name"]): img["id"] for img in gt["images"] if "file_name" in img}
+    by_base: Dict[str, List[str]] = {}
+    for name in by_name:
+        by_base.setdefault(PurePath(name.replace("\\", "/")).name, []).append(name)
+
+    def lookup(name: str) -> Any:
+        if name in by_name:
+            return by_name[name]
+        found = by_base.get(PurePath(name.replace("\\", "/")).name, [])
+        if len(found) > 1:
+            raise ResultsError(f"file name {name!r} matches {len(found)} ground-truth images by its base name "
+                               f"({found[0]!r}, {found[1]!r}): give the file names as the ground truth does")
+        return by_name[found[0]] if found else None
+    return lookup
+
+
+def _id_map(data: Dict[str, Any], section: str, key: str, lookup: Callable[[str], Any],
+            path: str | Path) -> Optional[Dict[int, Any]]:
+    """The results file's own ids of ``section`` (``images`` by ``file_name``,
+    ``categories`` by ``name``) -> ``gt``'s ids via ``lookup``; None where no entry
+    names itself (the file uses ``gt``'s ids). Every entry or none must name itself:
+    mapping some and taking the others' ids as ``gt``'s would pair wrong ones silently."""
+    entries = data.get(section)
+    if not entries:
+        return None
+    if not isinstance(entries, list):
+        raise ResultsError(f"{path}: '{section}' must be a list, got {_describe(entries)}")
+    named = [isinstance(e, dict) and key in e for e in entries]
+    if not any(named):
+        return None
+    mapping: Dict[int, Any] = {}
+    for i, entry in enumerate(entries):
+        if not named[i]:
+            raise ResultsError(f"{path}: {section}[{i}] has no '{key}' ({section}[{named.index(True)}] has one: "
+                               f"the {section} are matched to the ground truth's by {key}, every one or none)")
+        own, name = entry.get("id"), entry[key]
+        if not _is_int(own):
+            raise ResultsError(f"{path}: {section}[{i}]: 'id' must be an integer, got {_describe(own)}")
+        if not isinstance(name, str):
+            raise ResultsError(f"{path}: {section}[{i}]: '{key}' must be a string, got {_describe(name)}")
+        try:
+            target = lookup(name)
+        except ResultsError as exc:
+            raise ResultsError(f"{path}: {section}[{i}]: {exc}") from None
+        if target is None:
+            raise ResultsError(f"{path}: {section}[{i}] ({key} {name!r}) is not in the ground truth")
+        if int(own) in mapping:
+            raise ResultsError(f"{path}: '{section}' lists id {int(own)} twice")
+        mapping[int(own)] = target
+    return mapping

@@ -30,6 +30,10 @@ class NonFiniteGuard(HookBase):
     newest finite checkpoint; failing that, the current state is saved if it is finite
     (the skipped steps did not change the weights).
 
+    A run whose every step was skipped, fewer than ``max_in_row`` of them (a short run,
+    or a resumed one near ``solver.max_iter``), stops the same way at its last step:
+    it trained nothing, and must not end as ``finished``.
+
     A step that decides on the device (``train.cuda_graphs``: ``StepResult.skip_flag``)
     is counted on the device: the run of skipped steps in a row, and the iteration where
     it first reached ``max_in_row``. Those are read every ``period`` iterations (the
@@ -62,6 +66,8 @@ class NonFiniteGuard(HookBase):
                        state.iteration, values, self.in_row)
         if self.in_row >= self.max_in_row:
             raise self._stopped(state.iteration, state.iteration, f"at iteration {state.iteration}")
+        if self._nothing_trained(state, self.in_row):
+            raise self._stopped(state.iteration, state.iteration, f"at iteration {state.iteration}", self.in_row)
 
     def _count_on_device(self, flag: Tensor, state: LoopState) -> None:
         """Update the device counters with this step's ``flag``; at a logging point read
@@ -75,21 +81,32 @@ class NonFiniteGuard(HookBase):
         window.add_(flag)
         if state.iteration % self.period and state.iteration < state.max_iter and not state.stopping:
             return
-        _, _, at, skipped = self._counters.tolist()  # the read-back of a logging point
+        _, row, at, skipped = self._counters.tolist()  # the read-back of a logging point
         window.zero_()
         if skipped:
             logger.warning("iterations up to %d: %d non-finite steps skipped (loss or gradient not finite)",
                            state.iteration, int(skipped))
         if at >= 0:
             raise self._stopped(int(at), state.iteration, f"at iteration {int(at)}, seen at iteration {state.iteration}")
+        if self._nothing_trained(state, int(row)):
+            raise self._stopped(state.iteration, state.iteration, f"at iteration {state.iteration}", int(row))
 
-    def _stopped(self, reached_at: int, iteration: int, when: str) -> NonFiniteLossError:
-        """The one-line stop: ``max_in_row`` skipped steps ending at ``reached_at``, noticed
-        at ``iteration`` (``when`` says both), with the checkpoint to resume from."""
+    @staticmethod
+    def _nothing_trained(state: LoopState, in_row: int) -> bool:
+        """This is the run's last step, and every step of this process was skipped."""
+        done = state.iteration - state.start_iter
+        return state.iteration >= state.max_iter and 0 < done <= in_row
+
+    def _stopped(self, reached_at: int, iteration: int, when: str, every: int = 0) -> NonFiniteLossError:
+        """The one-line stop: ``max_in_row`` skipped steps ending at ``reached_at`` (or,
+        with ``every`` > 0, all ``every`` steps of this run), noticed at ``iteration``
+        (``when`` says both), with the checkpoint to resume from."""
         k = self.max_in_row
+        what = (f"all {every} steps of this run had a non-finite loss or gradient and were skipped "
+                "(nothing was trained)" if every else f"{k} non-finite losses in a row (train.max_nonfinite_steps={k})")
         return NonFiniteLossError(
-            f"{k} non-finite losses in a row (train.max_nonfinite_steps={k}) {when}; stopped; "
-            f"{self._resume_point(reached_at - k + 1, iteration)}. "
+            f"{what} {when}; stopped; "
+            f"{self._resume_point(reached_at - (every or k) + 1, iteration)}. "
             "Lower solver.lr, enable solver.clip_grad_norm, or check the data"
         )
 
