@@ -33,6 +33,12 @@ def _reason(exc: BaseException) -> str:
     return first_line(exc)
 
 
+def write_error(path: "str | os.PathLike", exc: BaseException) -> OutputError:
+    """``OutputError("cannot write <path>: <reason>")`` for a failed write to ``path``
+    ("no space left on the device", the OS's words, or the exception's first line)."""
+    return OutputError(f"cannot write {path}: {_reason(exc)}")
+
+
 def missing_file_state(path: "str | os.PathLike") -> str:
     """Why ``path`` is no file to read, in words for a message: ``"not found"``, ``"is a
     folder, not a file"``, ``"is a link to nothing (or a loop of links)"`` or ``"is not
@@ -97,7 +103,7 @@ def atomic_write(path: "str | os.PathLike", writer: Callable[[IO[Any]], Any], mo
         os.replace(tmp, path)
     except (OSError, ValueError, RuntimeError) as exc:
         # The cause stays attached: for log.txt, and for callers that word their own line.
-        raise OutputError(f"cannot write {path}: {_reason(exc)}") from exc
+        raise write_error(path, exc) from exc
     finally:
         try:
             tmp.unlink()

@@ -276,3 +276,22 @@ def test_sigterm_to_a_tool_keeps_its_finished_outputs(tmp_path):
         with Image.open(png) as im:
             im.verify()
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+# ----------------------------------------------------------------- checkpoints
+
+
+def test_a_checkpoint_on_a_full_disk_says_so(full_disk, caplog):
+    """torch's zip writer reports a full disk as '[enforce fail at inline_container.cc]
+    ... unexpected pos ...': the line says 'no space left on the device', as the docs
+    promise, and no partial file is left."""
+    from detector.engine.checkpointing import Checkpointer, CheckpointWriteError
+
+    state = {"model": {"w": torch.arange(2**18, dtype=torch.float32)}, "iteration": 1}  # 1 MiB
+    ck = Checkpointer(full_disk, lambda: state)
+    with pytest.raises(CheckpointWriteError) as e:
+        ck.save(["last.pth"], 1)
+    msg = str(e.value)
+    assert "\n" not in msg and f"cannot write checkpoint {full_disk / 'checkpoints' / 'last.pth'} (no space left on " \
+        "the device" in msg, msg
+    assert "inline_container" not in msg and leftovers(full_disk) == ["checkpoints"]

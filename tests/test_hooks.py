@@ -407,6 +407,32 @@ def test_signal_hook_requests_a_stop_and_restores_handlers():
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_a_signal_after_the_loop_ended_acts_at_once(caplog):
+    """A SIGTERM during the final evaluation (the loop has ended, status finished) was
+    logged as 'stopping after this iteration' and the evaluation ran on to exit 0: it
+    goes to the handler in place before training (a tool's: error, status 143)."""
+    class Stopped(BaseException):
+        pass
+
+    def before(signum, frame):
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, before)
+    hook = SignalHook()
+    state = LoopState(max_iter=10)
+    try:
+        hook.before_train(state)
+        state.status = "finished"
+        with pytest.raises(Stopped), caplog.at_level(logging.WARNING, logger="detector"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert state.stop_requested is None and "received SIGTERM" not in caplog.text
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        hook.after_train(state)
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_signal_hook_does_nothing_in_a_forked_worker(caplog):
     """A data-loader worker forked after the handlers were installed gets the terminal's
     Ctrl-C too: it neither logs nor stops (the main process logs the signal once)."""
@@ -496,3 +522,27 @@ def test_metrics_file_keeps_its_records_up_to_the_resumed_iteration(tmp_path):
     assert writer.truncate_after(2) == 7
     assert read_jsonl(path) == [good[0], good[1], {"type": "eval", "AP": 0.1}]
     assert writer.truncate_after(2) == 0  # what is left is all records
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device whose writes fail: disk full)")
+def test_a_full_disk_under_the_logs_is_one_line_naming_the_file(capsys):
+    """metrics.jsonl: an OSError naming no file ('[Errno 28] No space left on device'),
+    log.txt: logging's '--- Logging error ---' traceback for every record."""
+    from detector.engine.log import LogFileHandler
+    from detector.files import OutputError
+
+    with pytest.raises(OutputError) as e:
+        JSONLWriter("/dev/full").write({"iteration": 1})
+    assert str(e.value) == "cannot write /dev/full: no space left on the device"
+    log = logging.getLogger("detector.test_full_disk")
+    handler = LogFileHandler("/dev/full")
+    log.addHandler(handler)
+    try:
+        for i in range(3):
+            log.warning("record %d", i)
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+    err = capsys.readouterr().err
+    assert err == ("warning: cannot write /dev/full: no space left on the device; the log goes on on the console "
+                   "only\n"), err

@@ -172,3 +172,11 @@ def test_make_shapes_arguments_have_the_config_bounds(tmp_path, capsys, args, wo
         main(["--out", str(tmp_path / "s"), *args])
     assert info.value.code == 2 and words in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "s").exists()
+
+
+def test_make_shapes_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    assert main(["--out", str(taken), "--train", "1", "--val", "1"]) == 1
+    assert capsys.readouterr().err.strip() == f"error: --out {taken} is a file, not a folder"  # was: [Errno 17]
+    assert taken.read_text() == "x"

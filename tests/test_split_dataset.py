@@ -184,3 +184,28 @@ def test_split_sizes_and_images_without_boxes():
     split_of = stratified_assign(counts, [0.5, 0.5], seed=0)
     assert np.bincount(split_of).tolist() == [5, 5]
     assert np.bincount(split_of[:6]).tolist() == [3, 3]  # the class split evenly
+
+
+@pytest.mark.realdata
+def test_the_input_is_never_an_output(sets, tmp_path):
+    """``--out`` the input's own folder with ``--overwrite``: train.json was replaced by
+    its own train split (each run halved it). Refused, naming the file; nothing written."""
+    import shutil
+
+    coco = tmp_path / "coco"
+    coco.mkdir()
+    shutil.copy(sets["coco"], coco / "train.json")
+    before = (coco / "train.json").read_bytes()
+    with pytest.raises(SplitError, match=rf"^--out {coco}: {coco / 'train.json'} is the input being split"):
+        split_dataset(coco, annotations=coco / "train.json", fractions=[0.5, 0.5], overwrite=True)
+    assert (coco / "train.json").read_bytes() == before and not (coco / "val.json").exists()
+    voc = tmp_path / "VOC2012"
+    shutil.copytree(sets["voc"] / "ImageSets", voc / "ImageSets")
+    for sub in ("Annotations",):
+        (voc / sub).symlink_to(sets["voc"] / sub)
+    main = voc / "ImageSets" / "Main"
+    shutil.copy(main / "all.txt", main / "train.txt")
+    with pytest.raises(SplitError, match=r"train\.txt is the input being split"):
+        split_dataset(main, voc_root=voc, voc_split="train", fractions=[0.5, 0.5], overwrite=True)
+    paths, _ = split_dataset(tmp_path / "out", annotations=coco / "train.json", fractions=[0.5, 0.5])
+    assert [p.name for p in paths] == ["train.json", "val.json"]  # another folder: fine

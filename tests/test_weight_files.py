@@ -58,6 +58,8 @@ def _write_bad_files(folder: Path) -> dict:
     out["no_tensors"] = (folder / "no_tensors.pth", "not a state dict: it holds no tensors")
     torch.save([torch.zeros(2)], folder / "list.pth")
     out["list"] = (folder / "list.pth", "holds a list, not a state dict")
+    torch.save({1: torch.zeros(1), "a": torch.zeros(1)}, folder / "int_keys.pth")  # was an AttributeError traceback
+    out["int_keys"] = (folder / "int_keys.pth", "not a state dict: 1 keys are not names (strings), e.g. [1]")
     return out
 
 
@@ -117,7 +119,7 @@ def _tool_args(tool: str, weights: Path, root: Path, overrides, image: Path) -> 
     return args + list(overrides)
 
 
-CASES = ["empty", "truncated", "random", "object", "no_tensors", "other_arch", "nan", "sparse", "quantized"]
+CASES = ["empty", "truncated", "random", "object", "no_tensors", "int_keys", "other_arch", "nan", "sparse", "quantized"]
 
 
 def _check_error(stderr: str, path: Path, words: str, case: str) -> None:

@@ -142,3 +142,15 @@ def test_wrong_architecture_names_the_first_mismatched_keys_and_shapes(repo_root
     torch.save({"conv.weight": torch.zeros(3, 3)}, tmp_path / "alien.pth")
     with pytest.raises(WeightsError, match="alien.pth: does not fit the model .*file keys not in the model"):
         load_weights(tiny(repo_root), tmp_path / "alien.pth")
+
+
+def test_another_head_with_the_same_class_count_is_not_blamed_on_the_classes(repo_root, tmp_path):
+    """A box head of another width (representation_size: an R50 state dict in a small
+    config) changes cls_score's input size only: the message named the class counts,
+    'the source predictor has 4 classes, the model 4; set model.num_classes'."""
+    wide = tiny(repo_root, "roi_heads.representation_size=48")
+    torch.save(wide.state_dict(), tmp_path / "head.pth")
+    with pytest.raises(WeightsError) as e:
+        load_weights(tiny(repo_root), tmp_path / "head.pth", strict=True)
+    msg = str(e.value)
+    assert "num_classes" not in msg and "differ in shape" in msg and "roi_heads.box_" in msg, msg

@@ -19,6 +19,7 @@ import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bo
 from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config.schema import ShapesConfig  # noqa: E402
 from detector.data.shapes import generate_shapes  # noqa: E402
+from detector.files import output_folder  # noqa: E402
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -49,6 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def make(args: argparse.Namespace) -> int:
+    output_folder(args.out, "--out")  # (a file there was "[Errno 17] File exists")
     out = generate_shapes(args.out, args.train, args.val, args.seed, args.min_side, args.max_side)
     print(f"wrote {args.train} train and {args.val} val images to {out}")
     return 0

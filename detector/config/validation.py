@@ -316,7 +316,7 @@ def _check_recipe_keys(cfg: Config) -> None:
                           "input.min_size_test; turn one of them off")
     if any(s < 1 for s in cfg.solver.steps):
         raise ConfigError(f"config key 'solver.steps' takes iterations >= 1, got {cfg.solver.steps}")
-    _check_increasing("solver.steps", cfg.solver.steps)
+    _check_in_order("solver.steps", cfg.solver.steps)
     if len(cfg.solver.betas) != 2 or not all(0 <= b < 1 for b in cfg.solver.betas):
         raise ConfigError(f"config key 'solver.betas' needs two values in [0, 1), got {cfg.solver.betas}")
     for i, rule in enumerate(cfg.solver.param_groups):
@@ -345,15 +345,16 @@ def _check_schedule_keys(cfg: Config) -> None:
                           "(with solver.max_iter=0); in iterations use solver.steps")
     if any(e < 1 for e in s.steps_epochs):
         raise ConfigError(f"config key 'solver.steps_epochs' takes epochs >= 1, got {s.steps_epochs}")
-    _check_increasing("solver.steps_epochs", s.steps_epochs)
+    _check_in_order("solver.steps_epochs", s.steps_epochs)
 
 
-def _check_increasing(key: str, values: List[int]) -> None:
+def _check_in_order(key: str, values: List[int]) -> None:
     """LR steps in order, as detectron2 and mmdetection take them: ``[80, 60]`` is more
     likely a typo (``[800, 600]``?) than a schedule, so it is not sorted silently."""
     for a, b in zip(values, values[1:]):
         if b < a:
-            raise ConfigError(f"config key '{key}' takes increasing values, got {list(values)} ({b} after {a})")
+            raise ConfigError(f"config key '{key}' takes values in order (each at least the one before), "
+                              f"got {list(values)} ({b} after {a})")
 
 
 def _check_train_keys(cfg: Config) -> None:

@@ -51,7 +51,11 @@ class StrictLoader(yaml.SafeLoader):
             self._depth -= 1
 
     def construct_document(self, node: Any) -> Any:  # noqa: D102 - PyYAML's hook
-        size = expanded_size(node, {}) if node is not None else 0
+        memo: Dict[int, Tuple[int, int]] = {}
+        size = expanded_size(node, memo) if node is not None else 0
+        if len(memo) > MAX_NODES:  # as written, no alias needed
+            raise YAMLRefused(f"holds more than {MAX_NODES} values (a config holds a few hundred): is it a data "
+                              "file? Configs name data files (data.train.ann_file) rather than hold their contents")
         if size > MAX_NODES:
             raise YAMLRefused(f"expands to more than {MAX_NODES} values once its aliases are "
                               f"resolved (an alias bomb?); write the values out instead")

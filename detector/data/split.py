@@ -302,6 +302,23 @@ def write_splits(
     return paths
 
 
+def check_outputs_apart_from_input(out_dir: str | os.PathLike, plan: Mapping[str, np.ndarray], suffix: str,
+                                   source: Optional[Path]) -> None:
+    """No file to write may be ``source``, the file split (``--out`` its own folder and
+    ``--overwrite``: each run halved the set in place).
+
+    Raises:
+        SplitError: one line naming the file.
+    """
+    if source is None or not source.exists():
+        return
+    for name in plan:
+        target = Path(out_dir) / f"{name}{suffix}"
+        if target.exists() and os.path.samefile(target, source):
+            raise SplitError(f"--out {out_dir}: {target} is the input being split ({source}); write the splits into "
+                             "another folder")
+
+
 # ---------------------------------------------------------------------------- the whole job
 
 
@@ -346,5 +363,8 @@ def split_dataset(
         split_of = stratified_assign(images.counts, fractions, seed)
         columns = list(SPLIT_NAMES[: len(fractions)])
     plan = split_plan(columns, split_of, folds=folds is not None)
+    source = Path(annotations) if annotations is not None else Path(voc_root) / "ImageSets" / "Main" / f"{voc_split}.txt"
+    check_outputs_apart_from_input(out_dir, plan, ".json" if annotations is not None else ".txt",
+                                   source if annotations is not None or voc_split else None)
     paths = write_splits(out_dir, images, plan, coco_data, overwrite)
     return paths, count_table(images, split_of, columns)

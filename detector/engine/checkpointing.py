@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -223,6 +224,28 @@ def nonfinite_tensors(state: Dict[str, Any]) -> List[str]:
     return nonfinite_names(named)
 
 
+# Free space below which a failed write is put down to a full disk (torch's zip writer
+# says "unexpected pos ..." where the file system said ENOSPC).
+LOW_SPACE_BYTES = 64 * 2**20
+
+
+def _write_failure_reason(exc: BaseException, folder: Path) -> str:
+    """Why a checkpoint write failed, in words: the OS's (``strerror``), "no space left
+    on the device" where the folder's file system is (nearly) full, else the exception's
+    first line."""
+    if getattr(exc, "errno", None) == errno.ENOSPC:
+        return "no space left on the device"
+    if getattr(exc, "strerror", None):
+        return str(exc.strerror)  # type: ignore[attr-defined]
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    if free is not None and free < LOW_SPACE_BYTES:
+        return f"no space left on the device ({free / 2**20:.1f} MiB free)"
+    return first_line(exc)
+
+
 class Checkpointer:
     """Saves ``state_fn()`` under ``<output_dir>/checkpoints``.
 
@@ -315,7 +338,7 @@ class Checkpointer:
                 link_or_copy_checkpoint(first, self.directory / name)
         except (OSError, RuntimeError) as exc:  # torch's zip writer reports a failed write as RuntimeError
             exc = exc.__cause__ or exc  # atomic_write's OutputError: the file system's own error
-            reason = getattr(exc, "strerror", None) or first_line(exc)
+            reason = _write_failure_reason(exc, self.directory)
             return None, (
                 f"cannot write checkpoint {self.directory / names[0]} ({reason}); free space in "
                 f"or fix the permissions of train.output_dir={self.output_dir} and resume with --resume"

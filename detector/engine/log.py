@@ -19,7 +19,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
-from detector.files import write_text
+from detector.files import write_error, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,25 @@ class WrappingFormatter(logging.Formatter):
         return "\n".join(lines)
 
 
+class LogFileHandler(logging.FileHandler):
+    """``log.txt``: a write that fails (a full disk) is one warning on the console, and
+    the file is written no more (logging's default prints a traceback for every record)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            super().handleError(record)
+            return
+        self.setLevel(logging.CRITICAL + 1)  # nothing more to this file
+        stream, self.stream = self.stream, None
+        try:
+            stream.close()  # (the unwritten buffer fails again; the file is closed)
+        except OSError:
+            pass
+        print(f"warning: {write_error(self.baseFilename, exc)}; the log goes on on the console only",
+              file=sys.stderr)
+
+
 def setup_logging(output_dir: Optional[str | os.PathLike] = None, rank: int = 0, level: int = logging.INFO) -> None:
     """Configure the ``detector`` logger and Python's warnings (``py.warnings``, through
     ``logging.captureWarnings``): console on rank 0 at ``level``, errors only on the
@@ -67,7 +86,7 @@ def setup_logging(output_dir: Optional[str | os.PathLike] = None, rank: int = 0,
     handlers: List[logging.Handler] = [console]
     if output_dir is not None and rank == 0:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(Path(output_dir) / "log.txt")
+        fh = LogFileHandler(Path(output_dir) / "log.txt")
         fh.setLevel(logging.DEBUG)
         fh.setFormatter(fmt)
         handlers.append(fh)
@@ -176,9 +195,17 @@ class JSONLWriter:
         return dropped
 
     def write(self, record: Dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
+        """Append ``record`` as one line.
+
+        Raises:
+            OutputError: one line naming the file (a full disk: "no space left on the device").
+        """
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+                f.flush()
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
 
 
 def read_jsonl(path: str | os.PathLike) -> List[Dict[str, Any]]:

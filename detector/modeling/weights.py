@@ -165,6 +165,10 @@ def state_dict_from(data: Mapping[str, Any], where: str) -> Dict[str, Tensor]:
             break
     if not isinstance(data, Mapping):
         raise WeightsError(f"{where}: holds a {type(data).__name__}, not a state dict (a mapping of names to tensors)")
+    unnamed = [k for k in data if not isinstance(k, str)]
+    if unnamed:
+        raise WeightsError(f"{where}: not a state dict: {len(unnamed)} keys are not names (strings), "
+                           f"e.g. {unnamed[:_SHOWN]}")
     others = [k for k, v in data.items() if not isinstance(v, Tensor)]
     if not data or len(others) == len(data):
         keys = list(data)[:_SHOWN]
@@ -210,13 +214,17 @@ def _normalise_names(state: Mapping[str, Tensor], target: Mapping[str, Tensor],
 
 
 def _predictor_note(source: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> Optional[str]:
-    """A remark when the source predictor's shapes differ from the model's, else None."""
+    """A remark when the source predictor's class count differs from the model's, else
+    None (shapes that differ with the same count are another head: ``_mismatch_error``
+    names them)."""
     keys = [k for k in target if k.startswith(PREDICTOR_PREFIX)]
     if not any(k in source and source[k].shape != target[k].shape for k in keys):
         return None
     cls = PREDICTOR_PREFIX + "cls_score.weight"
     src_count = source[cls].shape[0] if cls in source else "?"
     model_count = target[cls].shape[0] if cls in target else "?"
+    if src_count == model_count:  # the same classes, other input sizes: another architecture, named by shape
+        return None
     return (f"the source predictor has {src_count} classes (with background), the model {model_count}")
 
 
