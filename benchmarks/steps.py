@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn

@@ -9,6 +9,9 @@ exception's first non-blank line, which is where those libraries put the reason.
 
 from __future__ import annotations
 
+import difflib
+import unicodedata
+from typing import Iterable
 
 class DetectorError(Exception):
     """An expected error: bad user input (a config key, a data file, a weights file, a run
@@ -37,3 +40,25 @@ def typed_first_line(exc: BaseException) -> str:
     line = first_line(exc)
     name = type(exc).__name__
     return name if not str(exc).strip() else f"{name}: {line}"
+
+
+def shown_path(path: object) -> str:
+    """``path`` for a one-line message: as it is, or as Python writes it in quotes
+    (``'a\\x00b.jpg'``) where it holds a character a terminal would not show as itself
+    (a NUL, a newline, a control code), which would break or hide the line."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` naming the choice closest to ``name``, or ``""``. A
+    choice that differs from ``name`` only in its Unicode normalisation (``café`` as
+    one code point or as ``e`` plus an accent, NFC against NFD) looks the same in the
+    message: that is said."""
+    choices = list(choices)
+    same = [c for c in choices if c != name and unicodedata.normalize("NFC", c) == unicodedata.normalize("NFC", name)]
+    if same:
+        return (f" ({same[0]!r} looks the same but is written with other Unicode code points: one is NFC, the other "
+                "NFD normalised; write both alike)")
+    near = difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""

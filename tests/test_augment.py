@@ -125,7 +125,7 @@ def _lsj_overrides(size: int = 64):
     recipe = yaml.safe_load(LSJ_CONFIG.read_text())["input"]
     lsj, cp = recipe["lsj"], recipe["copy_paste"]
     assert lsj["enabled"] and cp["enabled"]
-    return [f"input.lsj.enabled=true", f"input.lsj.min_scale={lsj['min_scale']}", f"input.lsj.max_scale={lsj['max_scale']}",
+    return ["input.lsj.enabled=true", f"input.lsj.min_scale={lsj['min_scale']}", f"input.lsj.max_scale={lsj['max_scale']}",
             f"input.lsj.size={size}", "input.copy_paste.enabled=true", f"input.copy_paste.prob={cp['prob']}",
             f"input.copy_paste.max_objects={cp['max_objects']}"]
 

@@ -289,6 +289,13 @@ def test_infer_skips_unreadable_images_and_names_them(tmp_path, capsys, caplog):
     os.mkfifo(inputs / "d_pipe.png")
     (inputs / "e_loop.jpg").symlink_to(inputs / "e_loop.jpg")
     (inputs / "f_dir.jpg").mkdir()
+    # Formats PIL reads beyond the usual few (they were left out without a word), and
+    # what is not read: a subfolder, a text file (one warning naming them).
+    Image.fromarray(rng.integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(inputs / "g.gif")
+    Image.fromarray(rng.integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(inputs / "h.ppm")
+    (inputs / "sub").mkdir()
+    Image.fromarray(rng.integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(inputs / "sub" / "i.jpg")
+    (inputs / "notes.txt").write_text("x")
     out = tmp_path / "out"
     signal.alarm(120)  # a hang fails the test instead of the suite
     rc = load_tool("infer").main(["--config", str(TINY_CONFIG), "--weights",
@@ -297,9 +304,11 @@ def test_infer_skips_unreadable_images_and_names_them(tmp_path, capsys, caplog):
     captured = capsys.readouterr()
     assert rc == 1
     assert "skipping 3 entries with image names that are no files: d_pipe.png, e_loop.jpg, f_dir.jpg" in caplog.text
-    assert sorted(p.name for p in out.glob("*.png")) == ["a.png", "c.png"]
+    assert "not read: 1 subfolders (not searched: name each folder): sub; 1 files of no image format PIL reads: " \
+        "notes.txt" in caplog.text
+    assert sorted(p.name for p in out.glob("*.png")) == ["a.png", "c.png", "g.png", "h.png"]
     records = json.loads((out / "detections.json").read_text())
-    assert [Path(r["file"]).name for r in records] == ["a.jpg", "c.png"]
+    assert [Path(r["file"]).name for r in records] == ["a.jpg", "c.png", "g.gif", "h.ppm"]
     errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "skipped 1 unreadable image(s)" in errors[0]
     assert f"cannot decode image file {inputs / 'b_broken.jpg'}" in errors[0]
@@ -420,3 +429,80 @@ def test_voc_ids_with_spaces_are_refused_not_cut_at_the_space(tmp_path):
     # VOC's per-class lists: an id and a -1/0/1 flag.
     (root / "ImageSets" / "Main" / "train.txt").write_text("a -1\nb  1\n\nc\n")
     assert read_voc_split(root / "ImageSets" / "Main" / "train.txt") == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("case", ["windows", "nul", "suffix_voc"])
+def test_a_missing_image_says_what_its_name_suggests(tmp_path, case):
+    """'not found; is data.train.root the folder ...?' misled where the name told more:
+    Windows separators, another suffix in the folder (VOC reads <id>.jpg), and a NUL
+    byte (printed raw to the terminal; no file name can hold one)."""
+    if case == "suffix_voc":
+        root = make_voc(tmp_path)
+        jpg = root / "JPEGImages" / "2008_000001.jpg"
+        Image.open(jpg).save(jpg.with_suffix(".png"))
+        jpg.unlink()
+        cfg = load_config(None, ["data.format=voc", f"data.train.root={root}", "data.class_names=[cat,dog]"])
+        expected = (f"image file {jpg} (image_id 2008000001) not found; the folder holds '2008_000001.png': the "
+                    "annotations name '2008_000001.jpg' (VOC reads JPEGImages/<id>.jpg")
+    else:
+        name = "sub\\ok.jpg" if case == "windows" else "o\x00k.jpg"
+        img_dir, ann = write_coco(tmp_path, name)
+        (img_dir / "sub").mkdir()
+        (img_dir / "ok.jpg").rename(img_dir / "sub" / "ok.jpg")
+        cfg = coco_cfg(img_dir, ann)
+        expected = (f"image file {img_dir}/sub\\ok.jpg (image_id 7) not found; its name uses Windows separators "
+                    "('\\'): write the file names with '/'" if case == "windows" else
+                    "image_id 7: file_name 'o\\x00k.jpg' holds a NUL byte, which no file name can")
+    with pytest.raises((DataError, FileNotFoundError)) as info:
+        build_dataset(cfg, "train", is_train=True)
+    assert expected in str(info.value) and "\x00" not in str(info.value), str(info.value)
+
+
+def test_a_class_name_in_another_unicode_normalisation_is_named_as_such(tmp_path):
+    """'café' (NFC) against a category 'café' written as e + combining accent (NFD): the
+    message said "(did you mean 'café'?)", the same word to the eye."""
+    import unicodedata
+
+    img_dir, ann = write_coco(tmp_path, "ok.jpg")
+    data = json.loads(ann.read_text())
+    data["categories"][0]["name"] = unicodedata.normalize("NFD", "café")
+    ann.write_text(json.dumps(data))
+    with pytest.raises(DataError) as info:
+        CocoDetection(img_dir, ann, class_names=[unicodedata.normalize("NFC", "café")])
+    assert "looks the same but is written with other Unicode code points: one is NFC, the other NFD" in str(info.value)
+
+
+def _coco_with_boxes(tmp: Path, boxes) -> tuple[Path, Path]:
+    img_dir, ann = write_coco(tmp, "ok.jpg", w=80, h=60)
+    data = json.loads(ann.read_text())
+    data["annotations"] = [{"id": i + 1, "image_id": 7, "category_id": 1, "bbox": b, "iscrowd": 0}
+                           for i, b in enumerate(boxes)]
+    ann.write_text(json.dumps(data))
+    return img_dir, ann
+
+
+def test_boxes_as_fractions_of_the_image_are_refused(tmp_path):
+    """YOLO-style coordinates (fractions of the image size) read as pixels: every box
+    inside the top-left pixel. They passed every check and trained on nothing (AP 0,
+    exit 0); check_dataset said OK."""
+    img_dir, ann = _coco_with_boxes(tmp_path / "a", [[0.1, 0.2, 0.3, 0.25], [0.5, 0.5, 0.2, 0.4]])
+    expected = ("every box lies within 1 x 1 px at its image's top-left corner (e.g. image_id 7, 80 x 60 px: box "
+                "[0.1, 0.2, 0.4, 0.45]): are the coordinates fractions of the image size")
+    with pytest.raises(DataError) as info:
+        CocoDetection(img_dir, ann)
+    assert str(info.value).startswith(f"{ann}: {expected}"), str(info.value)
+    report = check_dataset(coco_cfg(img_dir, ann))
+    assert any(expected in e for e in report.errors), report.errors
+    # Control: one box in pixels among small ones is a data set in pixels.
+    img_dir, ann = _coco_with_boxes(tmp_path / "b", [[0.1, 0.2, 0.3, 0.25], [5, 5, 20, 10]])
+    assert len(CocoDetection(img_dir, ann)) == 1
+
+
+def test_a_box_too_thin_for_float32_is_degenerate(tmp_path, caplog):
+    """1e-9 px wide: positive as a float64, 0 as the float32 it is stored in (a zero-
+    width training box, no anchor matches it)."""
+    img_dir, ann = _coco_with_boxes(tmp_path, [[10, 10, 1e-9, 10], [5, 5, 20, 10]])
+    with caplog.at_level(logging.WARNING, logger="detector.data"):
+        ds = CocoDetection(img_dir, ann)
+    assert ds.get_annotation(0)["boxes"].shape == (1, 4)
+    assert "box has non-positive width or height (1e-09 x 10 in float32, as boxes are stored: 0 x 10)" in caplog.text

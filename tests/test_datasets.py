@@ -178,20 +178,23 @@ def test_duplicate_image_id_error(tmp_path):
         CocoDetection(*make_coco(tmp_path, images=images, annotations=[]))
 
 
-@pytest.mark.parametrize("second", ["a.jpg", "./a.jpg", "sub/../a.jpg"])
+@pytest.mark.parametrize("second", ["a.jpg", "./a.jpg", "sub/../a.jpg", "link.jpg"])
 def test_two_entries_of_one_image_file_are_an_error(tmp_path, second):
     """Two annotation jobs merged without merging their images (one entry per class):
-    each entry would train the other's boxes as background."""
+    each entry would train the other's boxes as background. A link to the file is the
+    file (it passed the check)."""
     images = [{"id": 10, "file_name": "a.jpg", "width": 40, "height": 30},
               {"id": 11, "file_name": second, "width": 40, "height": 30}]
     anns = [{"id": 1, "image_id": 10, "category_id": 1, "bbox": [2, 3, 10, 5], "iscrowd": 0},
             {"id": 2, "image_id": 11, "category_id": 7, "bbox": [20, 4, 8, 12], "iscrowd": 0}]
     img_dir, ann_file = make_coco(tmp_path, images=images[:1], annotations=[])
+    (img_dir / "link.jpg").symlink_to(img_dir / "a.jpg")
     ann_file.write_text(json.dumps({"images": images, "annotations": anns,
                                     "categories": [{"id": 1, "name": "person"}, {"id": 7, "name": "train"}]}))
     with pytest.raises(DataError) as err:
         CocoDetection(img_dir, ann_file)
-    assert str(err.value) == (f"annotation file {ann_file}: image_ids 10 and 11 both name the file {second!r}: one image "
+    named = "'a.jpg'" if second == "a.jpg" else f"'a.jpg' (as {second!r})"
+    assert str(err.value) == (f"annotation file {ann_file}: image_ids 10 and 11 both name the file {named}: one image "
                               "takes one entry (each entry's boxes would be background to the other); merge their "
                               "annotations")
     report = check_dataset(load_config(None, ["data.format=coco", f"data.train.root={img_dir}",

@@ -13,7 +13,6 @@ One mechanism per class:
 
 from __future__ import annotations
 
-import copy
 import multiprocessing
 from pathlib import Path
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from benchmarks.static_check import SyncCounter, synthetic_batches

@@ -12,6 +12,7 @@ from typing import Optional
 from detector.config import Config, ConfigError
 from detector.distributed import get_world_size
 from detector.files import missing_file_state
+from detector.messages import shown_path
 
 from .coco import CocoDetection
 from .dataset import DetectionDataset
@@ -93,9 +94,27 @@ def _check_first_images(dataset: DetectionDataset, key: str, count: int = 16) ->
     for record in dataset.records[:count]:
         if not os.path.isfile(record.path):
             state = missing_file_state(record.path)
-            hint = f"; is {key} the folder that holds the images of {dataset.source}?" if state == "not found" else ""
-            raise DataError(f"{key}: image file {record.path} (image_id {record.image_id}) {state}{hint}")
+            hint = _missing_image_hint(record.path, key, dataset.source) if state == "not found" else ""
+            raise DataError(f"{key}: image file {shown_path(record.path)} (image_id {record.image_id}) {state}{hint}")
     return dataset
+
+
+def _missing_image_hint(path: str, key: str, source: str) -> str:
+    """What a missing image file's name suggests: Windows separators (``train\\a.jpg``),
+    the same name with another suffix (``a.png`` for ``a.jpg``: VOC reads
+    ``JPEGImages/<id>.jpg``), else a wrong image folder."""
+    if "\\" in path and os.path.isfile(path.replace("\\", "/")):
+        return "; its name uses Windows separators ('\\'): write the file names with '/'"
+    folder, name = os.path.split(path)
+    stem = os.path.splitext(name)[0]
+    try:
+        others = sorted(n for n in os.listdir(folder) if os.path.splitext(n)[0] == stem and n != name) if stem else []
+    except (OSError, ValueError):
+        others = []
+    if others:
+        return (f"; the folder holds {others[0]!r}: the annotations name {name!r} (VOC reads JPEGImages/<id>.jpg; "
+                "convert the images, or give their names in a COCO file)")
+    return f"; is {key} the folder that holds the images of {source}?"
 
 
 def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:

@@ -25,7 +25,7 @@ from detector.messages import first_line
 from .build import build_dataset, check_data_paths
 from .classes import check_val_classes, resolve_class_names
 from .coco import parse_coco
-from .dataset import ImageRecord, Issues
+from .dataset import ImageRecord, Issues, fraction_coordinates_problem
 from .files import DataError, decode_image
 from .voc import VOC_CLASSES, parse_voc
 
@@ -182,6 +182,9 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
     report = CheckReport(source=source, num_images=len(records), apply_exif=cfg.data.apply_exif,
                          classes_from=classes_from, errors=list(class_errors))
     report.errors.extend(issues.errors)
+    problem = fraction_coordinates_problem(records, source)
+    if problem is not None:
+        report.errors.append(problem)
     report.degenerate_boxes = issues.skipped.get("degenerate", 0)
     report.outside_boxes = issues.skipped.get("outside", 0)
     report.past_edge_boxes = len(issues.past_edge)

@@ -15,13 +15,14 @@ repeat), ``check_val_classes`` refuses a val file whose labels name other classe
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from detector.config import Config, ConfigError
+
+from detector.messages import did_you_mean
 
 from .build import check_data_paths
 from .coco import coco_label_map
@@ -155,8 +156,7 @@ def check_val_classes(cfg: Config, train_set: DetectionDataset) -> None:
         counts = Counter(val_names.values())
         for name in data.class_names:
             if counts[name] != 1:
-                near = difflib.get_close_matches(name, list(counts), n=1) if not counts[name] else []
-                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                hint = did_you_mean(name, counts) if not counts[name] else ""
                 found = f"{counts[name]} categories" if counts[name] else "no category"
                 raise DataError(f"{where} has {found} named {name!r}{hint}, a class of the "
                                 f"training set ({train_set.source}): the val set is read by the training classes' names "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import difflib
 import functools
 import io
 import logging
@@ -17,6 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgspec
 from pycocotools.coco import COCO
+
+from detector.messages import did_you_mean
 
 from .dataset import (DetectionDataset, ImageRecord, Issues, Transform, check_box, drop_images_without_training_boxes,
                       log_other_classes, rows_to_arrays)
@@ -42,8 +43,7 @@ def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_fi
     for name in class_names:
         ids = ids_by_name.get(name, [])
         if not ids:
-            near = difflib.get_close_matches(name, list(ids_by_name), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            hint = did_you_mean(name, ids_by_name)
             raise DataError(f"data.class_names: {name!r} is not a category name of {ann_file}{hint}")
         if len(ids) > 1:
             raise DataError(f"data.class_names: {name!r} names {len(ids)} categories of {ann_file} (ids {ids})")
@@ -125,6 +125,10 @@ def _coco_images(
     by_file: Dict[str, int] = {}
     good_images = []
     for img in images:
+        if "\x00" in img.file_name:  # no file system takes one (os calls raise ValueError)
+            issues.error(f"annotation file {ann_file}: image_id {img.id}: file_name {img.file_name!r} holds a NUL "
+                         "byte, which no file name can")
+            continue
         path = path_within(str(image_dir), img.file_name)
         if path is None:
             issues.error(f"annotation file {ann_file}: image_id {img.id}: file_name {img.file_name!r} "
@@ -139,10 +143,13 @@ def _coco_images(
             issues.error(f"annotation file {ann_file}: image_id {img.id} appears twice "
                          f"({seen[img.id]!r} and {img.file_name!r})")
             continue
-        first = by_file.setdefault(os.path.normpath(path), img.id)
+        # realpath: 'sub/../x.jpg', and a link to x.jpg, are x.jpg too
+        first = by_file.setdefault(os.path.realpath(path), img.id)
         if first != img.id:
+            other = seen[first]
+            named = repr(other) if other == img.file_name else f"{other!r} (as {img.file_name!r})"
             issues.error(f"annotation file {ann_file}: image_ids {first} and {img.id} both name the file "
-                         f"{img.file_name!r}: one image takes one entry (each entry's boxes would be background to "
+                         f"{named}: one image takes one entry (each entry's boxes would be background to "
                          "the other); merge their annotations")
             continue
         seen[img.id] = img.file_name

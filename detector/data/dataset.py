@@ -101,6 +101,32 @@ def _empty_record_arrays(n: int = 0) -> Dict[str, np.ndarray]:
     }
 
 
+# Images whose longer side is at least this many pixels (median over the set) cannot
+# have every box inside their top-left 1 x 1 px: the coordinates are fractions.
+MIN_SIDE_FOR_FRACTION_CHECK = 16
+
+
+def fraction_coordinates_problem(store: "RecordStore | Sequence[ImageRecord]", source: str) -> Optional[str]:
+    """The one-line problem where every box of the set lies within ``[0, 1] x [0, 1]`` px
+    of images of ordinary size: coordinates as fractions of the image size (YOLO's), read
+    as pixels. Such boxes pass every box check (positive size, inside the image) and
+    train on nothing: no anchor overlaps them. None where any box is larger."""
+    if not isinstance(store, RecordStore):
+        store = RecordStore.from_records(list(store))
+    a = store.arrays
+    boxes = a["boxes"]
+    if not len(boxes) or float(boxes[:, 2:].max()) > 1.0:
+        return None
+    sides = np.maximum(a["widths"], a["heights"])
+    if float(np.median(sides)) < MIN_SIDE_FOR_FRACTION_CHECK:
+        return None
+    i = int(np.searchsorted(a["box_start"], 0, side="right") - 1)
+    return (f"{source}: every box lies within 1 x 1 px at its image's top-left corner (e.g. image_id "
+            f"{int(a['image_ids'][i])}, {int(a['widths'][i])} x {int(a['heights'][i])} px: box "
+            f"{[round(float(v), 4) for v in boxes[0]]}): are the coordinates fractions of the image size (YOLO's)? "
+            "COCO's bbox and VOC's bndbox are in pixels")
+
+
 def check_box(
     box: Sequence[float], width: int, height: int, where: str, issues: Issues
 ) -> Optional[Tuple[float, float, float, float]]:
@@ -112,8 +138,13 @@ def check_box(
     if not all(np.isfinite([x1, y1, x2, y2])):
         issues.skip("degenerate", f"{where}: box {[x1, y1, x2, y2]} is not finite; skipped")
         return None
-    if x2 <= x1 or y2 <= y1:
-        issues.skip("degenerate", f"{where}: box has non-positive width or height ({x2 - x1:g} x {y2 - y1:g}); skipped")
+    with np.errstate(over="ignore"):  # (a coordinate past float32's range: inf, and outside the image below)
+        f32 = np.asarray([x1, y1, x2, y2], np.float32)  # as the box is stored: 1e-9 wide would be 0 wide
+    if x2 <= x1 or y2 <= y1 or f32[2] <= f32[0] or f32[3] <= f32[1]:
+        stored = f" in float32, as boxes are stored: {f32[2] - f32[0]:g} x {f32[3] - f32[1]:g}" if (
+            x2 > x1 and y2 > y1) else ""
+        issues.skip("degenerate", f"{where}: box has non-positive width or height ({x2 - x1:g} x {y2 - y1:g}"
+                                  f"{stored}); skipped")
         return None
     if x1 >= width or y1 >= height or x2 <= 0 or y2 <= 0:
         issues.skip(
@@ -219,6 +250,9 @@ class DetectionDataset(torch.utils.data.Dataset):
                 f"{source}: data set is empty after filtering ({self.num_images_before_filter} images before, "
                 f"filter_empty={filter_empty}){why}"
             )
+        problem = fraction_coordinates_problem(store, source)
+        if problem is not None:
+            raise DataError(problem)
         # Flat arrays, not one object per image: see records.py (forked loader workers).
         self.records: RecordStore = store
 

@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from detector.files import missing_file_state, no_file_message
-from detector.messages import DetectorError, first_line
+from detector.messages import DetectorError, first_line, shown_path
 
 
 EXIF_ORIENTATION_TAG = 0x0112
@@ -126,7 +126,7 @@ def decode_image(path: str, image_id: Optional[int] = None, apply_exif: bool = F
     array then has the displayed size (H and W swapped by a quarter turn). Errors as in
     ``load_image``.
     """
-    what = f"image file {path}" + (f" (image_id {image_id})" if image_id is not None else "")
+    what = f"image file {shown_path(path)}" + (f" (image_id {image_id})" if image_id is not None else "")
     if not os.path.isfile(path):  # a pipe would make open() wait for a writer, for ever
         state = missing_file_state(path)
         if state == "not found":

@@ -4,13 +4,14 @@ policy), and ``VOCDetection``."""
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import re
 from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from detector.messages import did_you_mean
 
 from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
 from .files import DataError, path_within
@@ -191,6 +192,5 @@ def _check_every_class(records: List[ImageRecord], class_names: Sequence[str], o
         present.update(int(lab) for lab in r.labels.tolist())
     for label, name in enumerate(class_names, start=1):
         if label not in present:
-            near = difflib.get_close_matches(name, list(others), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else f"; the data's other classes: {', '.join(sorted(others)) or 'none'}"
+            hint = did_you_mean(name, others) or f"; the data's other classes: {', '.join(sorted(others)) or 'none'}"
             raise DataError(f"data.class_names: {name!r} has no object in {source}{hint}")

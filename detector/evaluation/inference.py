@@ -32,7 +32,15 @@ from .tta import TTASettings, tta_forward
 logger = logging.getLogger(__name__)
 
 LOSS_NAMES = ("loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+
+
+def _pil_suffixes() -> Tuple[str, ...]:
+    """The file suffixes of every format PIL opens (training reads any of them)."""
+    Image.init()
+    return tuple(sorted(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN))
+
+
+IMAGE_SUFFIXES = _pil_suffixes()
 
 
 
@@ -269,17 +277,28 @@ def list_images(path: str | Path) -> List[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files, others = [], []  # others: a folder, a pipe (reading it would wait for ever), a broken link
-        for p in sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES):
-            (files if p.is_file() else others).append(p)
+        files, others, folders, not_images = [], [], [], []
+        for p in sorted(path.iterdir()):
+            if p.suffix.lower() in IMAGE_SUFFIXES:
+                # others: a folder, a pipe (reading it would wait for ever), a broken link
+                (files if p.is_file() else others).append(p)
+            else:
+                (folders if p.is_dir() else not_images).append(p)
         if others:
             logger.warning("--input %s: skipping %d entries with image names that are no files: %s (%s)", path,
-                           len(others), ", ".join(p.name for p in others[:3]) + (" ..." if len(others) > 3 else ""),
-                           missing_file_state(others[0]))
+                           len(others), _names(others), missing_file_state(others[0]))
+        if folders or not_images:
+            logger.warning("--input %s: not read: %s", path, "; ".join(
+                [f"{len(folders)} subfolders (not searched: name each folder): {_names(folders)}"] * bool(folders) +
+                [f"{len(not_images)} files of no image format PIL reads: {_names(not_images)}"] * bool(not_images)))
         if not files:
-            raise FileNotFoundError(f"no image files ({', '.join(IMAGE_SUFFIXES)}) in {path}")
+            raise FileNotFoundError(f"no image files (of a format PIL reads: .jpg, .png, .tif, ...) in {path}")
         return files
     raise FileNotFoundError(no_file_message("input", path))
+
+
+def _names(paths: Sequence[Path], shown: int = 3) -> str:
+    return ", ".join(p.name for p in paths[:shown]) + (" ..." if len(paths) > shown else "")
 
 
 def output_paths(paths: Sequence[Path], output_dir: str | Path) -> List[Path]:

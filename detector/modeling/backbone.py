@@ -26,7 +26,6 @@ import logging
 from collections import OrderedDict
 from typing import Callable, Dict, List, Sequence
 
-import torch
 import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
