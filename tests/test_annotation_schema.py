@@ -183,7 +183,7 @@ def test_coco_file_that_is_not_text_in_its_encoding_is_one_line(tmp_path):
 
 def test_annotation_file_that_is_a_directory(tmp_path):
     (tmp_path / "instances.json").mkdir()
-    with pytest.raises(DataError, match=r"^annotation file .*instances\.json cannot be read: Is a directory$"):
+    with pytest.raises(DataError, match=r"^annotation file .*instances\.json is a folder, not a file$"):
         CocoDetection(tmp_path, tmp_path / "instances.json")
 
 
@@ -344,7 +344,7 @@ def test_voc_unknown_encoding_and_a_directory_are_one_line(tmp_path):
     xml = root / "Annotations" / "000001.xml"
     xml.unlink()
     xml.mkdir()
-    with pytest.raises(DataError, match=r"^VOC annotation file .*000001\.xml cannot be read: Is a directory$"):
+    with pytest.raises(DataError, match=r"^VOC annotation file .*000001\.xml is a folder, not a file$"):
         VOCDetection(root, "train")
 
 

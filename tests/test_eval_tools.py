@@ -498,3 +498,15 @@ def test_dict_form_file_names_match_whole_paths_not_only_base_names(case_files, 
     elsewhere = {img["id"]: "other/" + img["file_name"].split("/")[1] for img in gt["images"]}
     (tmp_path / "r.json").write_text(json.dumps(_dict_form(gt, dets, elsewhere)))
     assert len(load_predictions(tmp_path / "r.json", gt).score) == len(dets)
+
+
+def test_an_empty_predictions_file_is_scored_with_a_warning(case_files, tmp_path, caplog):
+    """[] scored AP 0, exit 0, without a word (an export that wrote nothing looks like a
+    model that finds nothing)."""
+    from detector.evaluation import load_predictions
+
+    d, gt, _ = case_files
+    (tmp_path / "p.json").write_text("[]")
+    with caplog.at_level("WARNING", logger="detector"):
+        assert len(load_predictions(tmp_path / "p.json", gt).score) == 0
+    assert f"{tmp_path / 'p.json'} holds no detections: every metric is 0" in caplog.text

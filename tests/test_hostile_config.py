@@ -62,6 +62,14 @@ def test_base_that_is_not_a_file_name(train_tool, capsys, tmp_path, base):
     assert str(cfg) in line and "'base:' names one config file" in line
 
 
+@pytest.mark.parametrize("base", ['""', "'  '"])
+def test_an_empty_base_is_refused_not_the_defaults(tmp_path, base):
+    """base: "" read as no base: the schema's defaults (R50, COCO, 90000 iterations)."""
+    cfg = write(tmp_path / "c.yaml", f"base: {base}\nsolver: {{lr: 0.1}}\n")
+    with pytest.raises(ConfigError, match=f"^{cfg}: 'base:' is empty: name a config file, or leave the key out$"):
+        load_config(cfg)
+
+
 @pytest.mark.parametrize("text", ["", "\n\n", "# solver: {lr: 0.1}\n# model: {num_classes: 3}\n", "~\n"],
                          ids=["empty", "blank", "comments_only", "null"])
 def test_config_file_without_settings_is_refused(train_tool, capsys, tmp_path, text):

@@ -103,15 +103,17 @@ def test_a_folder_no_run_used_keeps_the_users_files(tmp_path):
     (out / "log.txt").write_text("mine")
     with pytest.raises(RunFolderError) as e:
         RunFolder.open(out)
-    assert str(e.value) == (f"train.output_dir {out} holds eval, log.txt, but no run of this project used it (it has "
+    assert str(e.value) == (f"train.output_dir {out} holds eval, but no run of this project used it (it has "
                             "no .lock): a run would replace them; choose another --output-dir (a new or empty folder)")
     assert sorted(p.name for p in out.iterdir()) == ["eval", "log.txt"]  # not even a .lock left
     assert (out / "eval" / "notes.py").read_text() == "mine"
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "data.csv").write_text("x")  # names a run never writes: fine
+    (tmp_path / "other" / "log.txt").write_text("mine\n")  # a log is appended to, not replaced
     with RunFolder.open(tmp_path / "other") as folder:
         folder.clear_previous_run()
     assert (tmp_path / "other" / "data.csv").read_text() == "x"
+    assert (tmp_path / "other" / "log.txt").read_text() == "mine\n"
 
 
 def test_resume_from_another_folder_into_a_folder_with_its_own_run_is_refused(tmp_path):

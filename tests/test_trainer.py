@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from detector.engine.checkpointing import Checkpointer, load_checkpoint
+from detector.engine.checkpointing import Checkpointer, find_resume_checkpoint, load_checkpoint
 from detector.engine.hooks import NonFiniteLossError, PeriodicCheckpointer
 from detector.engine.log import read_jsonl
 from detector.engine.run_folder import RunFolderError
@@ -426,6 +426,25 @@ def test_bad_resume_checkpoints_are_one_line(data_root, tmp_path, cli):
     _, err = cli(*cli_args(data_root, tmp_path / "run_other_arch.pth", "solver.max_iter=1"), "--resume",
                  tmp_path / "other_arch.pth")
     assert "backbone.fpn" in err and "[64," in err and "[32," in err  # the first mismatched keys and shapes
+
+
+def test_an_unreadable_last_checkpoint_names_the_whole_one_beside_it(data_root, tmp_path, cli, caplog):
+    """A truncated last.pth: the line names the intact iter_*.pth next to it. A last.pth
+    that is a link to nothing: --resume said nothing and took the numbered one."""
+    run = tmp_path / "run"
+    rc, _ = cli(*cli_args(data_root, run, "solver.max_iter=2", "train.checkpoint_period=1"))
+    ckpts = run / "checkpoints"
+    assert rc == 0 and (ckpts / "iter_0000002.pth").is_file()
+    last = ckpts / "last.pth"
+    last.write_bytes(last.read_bytes()[:1000])
+    rc, err = cli(*cli_args(data_root, run, "solver.max_iter=3"), "--resume")
+    assert rc == 1
+    assert_one_error_line(err, str(last), f"the folder also holds iter_0000002.pth: --resume {ckpts / 'iter_0000002.pth'}")
+    last.unlink()
+    last.symlink_to(ckpts / "gone.pth")
+    with caplog.at_level(logging.WARNING, logger="detector"):
+        assert find_resume_checkpoint(run) == ckpts / "iter_0000002.pth"
+    assert f"{last} is a link to nothing (or a loop of links); resuming from iter_0000002.pth" in caplog.text
 
 
 def test_resume_followed_by_an_override_keeps_the_override(tmp_path):

@@ -74,6 +74,8 @@ def _read_yaml(path: Path, seen: Tuple[Path, ...] = ()) -> List[Tuple[dict, str]
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{path}: 'base:' names one config file (a string, relative to this file), "
                           f"got {type(base).__name__} {_short(base)}")
+    if base is not None and not base.strip():  # ('' meant the schema's R50 COCO 90k-iteration defaults, silently)
+        raise ConfigError(f"{path}: 'base:' is empty: name a config file, or leave the key out")
     chain: List[Tuple[dict, str]] = []
     if base:
         base_path = Path(base)

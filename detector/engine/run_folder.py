@@ -11,8 +11,8 @@
   that fails its checks deletes nothing but the old ``log.txt``, which then holds the
   refused attempt's log);
 - refuses a folder that no run of this project used (no ``.lock``) but holds a name a
-  run writes (``eval/``, ``log.txt``, ``config.yaml``...: ``RUN_FILES``): they are the
-  user's, and a run would replace them;
+  run writes (``eval/``, ``config.yaml``...: ``RUN_FILES``; a ``log.txt`` is appended
+  to): they are the user's, and a run would replace them;
 - refuses ``--resume <checkpoint>`` of another folder into a folder that holds
   checkpoints of its own (the resumed run would replace them);
 - with ``resume=True`` picks ``checkpoints/last.pth`` (or the newest ``iter_*.pth``),
@@ -220,11 +220,13 @@ class RunFolder:
                 f"run folder {path} already holds checkpoints ({_shown(held)}): continue it with --resume, "
                 "choose another --output-dir, or pass --overwrite to delete them and start over"
             )
-        foreign = [name for name in RUN_FILES if not used and (path / name).exists()]
-        if foreign:
-            raise RunFolderError(
-                f"train.output_dir {path} holds {', '.join(foreign)}, but no run of this project used it (it has no "
-                f"{LOCK_NAME}): a run would replace them; choose another --output-dir (a new or empty folder)")
+        if not used:  # no previous run to clear; a log.txt is appended to (setup_logging may have opened it)
+            foreign = [name for name in RUN_FILES if name != LOG_NAME and (path / name).exists()]
+            if foreign:
+                raise RunFolderError(
+                    f"train.output_dir {path} holds {', '.join(foreign)}, but no run of this project used it (it has "
+                    f"no {LOCK_NAME}): a run would replace them; choose another --output-dir (a new or empty folder)")
+            return None, []
         # The previous run's records must not mix with this one's. The log goes now: this
         # attempt's log starts here (a refused one leaves its reason in log.txt).
         _remove(path / LOG_NAME)

@@ -41,13 +41,14 @@ from detector.data import (build_dataset, check_data_paths, check_val_classes, f
 from detector.data.loader import build_train_loader
 from detector.distributed import DistInfo, init_distributed, seed_everything
 from detector.engine.amp import AmpSettings, resolve_amp
-from detector.engine.checkpointing import Checkpointer, ResumePoint, TrainingState, resume_training
+from detector.engine.checkpointing import Checkpointer, TrainingState
 from detector.engine.hooks import (EMAHook, EvalHook, MetricsWriter, NonFiniteGuard, PairedValidator,
                                    PeriodicCheckpointer, SignalHook, Validator)
 from detector.engine.early_stop import EarlyStopping, check_best_metric
 from detector.engine.ema import ModelEMA
 from detector.engine.memory import check_batch_memory
 from detector.engine.log import DeviceCounter, EventWriters, JSONLWriter, TensorBoardWriter
+from detector.engine.resume import ResumePoint, resume_training
 from detector.engine.optim import build_lr_scheduler, build_optimizer, resolve_epoch_schedule
 from detector.engine.run_folder import (RunFolder, check_output_dir, check_overwrite_keeps_weights,
                                         check_run_folder_apart_from_data)

@@ -12,7 +12,8 @@ list against COCO-format ground truth without a model.
 """
 
 from .coco import COCO_METRIC_NAMES, CocoEvalResult, coco_evaluate
-from .inference import list_images, predict_files
+from .inference import predict_files
+from .input_files import list_images
 from .plots import draw_detections
 from .report import ScoreReport, evaluate, format_table, score_detections, write_json, write_outputs, write_report
 from .eval_files import load_ground_truth, load_predictions

@@ -6,6 +6,7 @@ file, the section, the index and the field."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path, PurePath
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -17,6 +18,8 @@ from .results import (
     Detections, ResultsError, _describe, _first_bad, _id_and_box_columns, _int_column, _is_int, check_detection_ids,
     detections_from_records, read_results_file,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _gt_ids(items: Any, section: str, source: str) -> np.ndarray:
@@ -108,6 +111,8 @@ def load_predictions(path: str | Path, gt: Dict[str, Any]) -> Detections:
     data = read_results_file(path)
     if isinstance(data, Detections):
         check_detection_ids(data, image_ids, cat_ids, source=str(path))
+        if not len(data.score):  # scored 0 everywhere: say why (an export that failed, a wrong file)
+            logger.warning("%s holds no detections: every metric is 0 (or -1 where there is no ground truth)", path)
         return data
     if not isinstance(data, dict) or "annotations" not in data:
         raise ResultsError(f"{path}: expected a list of COCO results or a dict with 'annotations'")
@@ -131,6 +136,8 @@ def load_predictions(path: str | Path, gt: Dict[str, Any]) -> Detections:
         results.append(res)
     dets = detections_from_records(results, source=f"{path}: annotations")
     check_detection_ids(dets, image_ids, cat_ids, source=f"{path}: annotations")
+    if not len(dets.score):
+        logger.warning("%s holds no detections: every metric is 0 (or -1 where there is no ground truth)", path)
     return dets
 
 

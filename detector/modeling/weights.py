@@ -215,17 +215,14 @@ def _normalise_names(state: Mapping[str, Tensor], target: Mapping[str, Tensor],
 
 def _predictor_note(source: Mapping[str, Tensor], target: Mapping[str, Tensor]) -> Optional[str]:
     """A remark when the source predictor's class count differs from the model's, else
-    None (shapes that differ with the same count are another head: ``_mismatch_error``
-    names them)."""
+    None (another head of the same count: ``_mismatch_error`` names its shapes)."""
     keys = [k for k in target if k.startswith(PREDICTOR_PREFIX)]
     if not any(k in source and source[k].shape != target[k].shape for k in keys):
         return None
     cls = PREDICTOR_PREFIX + "cls_score.weight"
     src_count = source[cls].shape[0] if cls in source else "?"
     model_count = target[cls].shape[0] if cls in target else "?"
-    if src_count == model_count:  # the same classes, other input sizes: another architecture, named by shape
-        return None
-    return (f"the source predictor has {src_count} classes (with background), the model {model_count}")
+    return None if src_count == model_count else (f"the source predictor has {src_count} classes (with background), the model {model_count}")
 
 
 def _mismatch_error(where: str, shapes: Sequence[Tuple[str, Sequence[int], Sequence[int]]],
