@@ -13,6 +13,7 @@ one line naming the path. So no tool leaves a ``.tmp`` file or a partial output 
 from __future__ import annotations
 
 import errno
+import math
 import os
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -31,6 +32,18 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return first_line(exc)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, Inf) as None: strict JSON (``null``)
+    has no NaN, and ``JSON.parse`` or a strict reader refuses the file otherwise."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def write_error(path: "str | os.PathLike", exc: BaseException) -> OutputError:

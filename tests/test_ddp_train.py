@@ -141,3 +141,25 @@ def test_torchrun_two_cpu_ranks_static_step(tmp_path):
     assert [r["iteration"] for r in records] == [1, 2, 3] and all(r["total_loss"] > 0 for r in records)
     first = torch.load(out / "checkpoints" / "iter_0000002.pth", weights_only=True)["model"]
     assert any(not torch.equal(first[k], p0[k]) for k in p0)  # iteration 3 changed them
+
+
+@pytest.mark.dist
+def test_ranks_with_different_training_sets_stop_with_one_line(tmp_path):
+    """Node-local copies that differ: each rank read its own set (its own epoch schedule,
+    then a wait until the timeout). Every rank stops before any work, naming the rank."""
+    from detector.data.shapes import ensure_shapes
+
+    for rank, count in ((0, 8), (1, 12)):
+        ensure_shapes(tmp_path / f"data{rank}", count, 2, rank, 64, 96)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    root = str(tmp_path / "data${oc.env:LOCAL_RANK}")  # COCO files: the shapes keys would regenerate the sets
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tools" / "train.py"), "--config", str(TINY_CONFIG), "--output-dir", str(tmp_path / "run"),
+           "data.format=coco", f"data.train.root={root}/train", f"data.train.ann_file={root}/train.json",
+           f"data.val.root={root}/val", f"data.val.ann_file={root}/val.json", "solver.max_iter=2",
+           "train.dist_timeout_s=60"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and errors, proc.stderr[-3000:]
+    assert errors[0].startswith("error: data.train: rank 1 reads another training set than rank 0 (12 images"), errors
+    assert not (tmp_path / "run" / "checkpoints").exists()

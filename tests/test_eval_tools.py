@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import copy
 import json
 import subprocess
 import sys
@@ -510,3 +511,20 @@ def test_an_empty_predictions_file_is_scored_with_a_warning(case_files, tmp_path
     with caplog.at_level("WARNING", logger="detector"):
         assert len(load_predictions(tmp_path / "p.json", gt).score) == 0
     assert f"{tmp_path / 'p.json'} holds no detections: every metric is 0" in caplog.text
+
+
+def test_an_evaluation_without_any_detection_says_where_to_look(tiny_setup, tmp_path, caplog):
+    """Every metric 0 and nothing said (a score threshold nothing passes, a test size
+    below every anchor): one warning naming the keys."""
+    from detector.evaluation import evaluate
+    from detector.modeling import build_model
+
+    cfg, _, dataset = tiny_setup
+    cfg = copy.deepcopy(cfg)
+    cfg.roi_heads.score_thresh = 0.9999
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="detector"):
+        metrics = evaluate(build_model(cfg), dataset, cfg, output_dir=tmp_path)
+    assert metrics["AP"] == 0.0
+    assert f"no detections on any of the {len(dataset)} images, so every metric is 0" in caplog.text
+    assert "roi_heads.score_thresh=0.9999" in caplog.text

@@ -291,3 +291,26 @@ def test_tool_usage_errors_come_before_the_export(tmp_path, capsys, args, words)
         TOOL.parse_args(["--config", str(TINY_CONFIG), "--weights", "w.pth", "--format", "onnx",
                          "--output", str(tmp_path / "m.onnx"), *args])
     assert info.value.code == 2 and words in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_parity_check_that_compares_nothing_is_no_pass(model, tmp_path, capsys):
+    """No detection on either test image (a 1x1 image, a picture without objects, a score
+    threshold nothing passes): 'parity ok' compared nothing; a tampered file passed."""
+    weights, out = tmp_path / "w.pth", tmp_path / "model.pt"
+    torch.save(model.state_dict(), weights)
+    argv = ["--config", str(TINY_CONFIG), "--weights", str(weights), "--format", "torchscript", "--output", str(out),
+            "--image-size", "64", "96", *OVERRIDES]
+    assert TOOL.main([*argv, "roi_heads.score_thresh=0.999"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: {out}: no detections on the test images, so the parity check compared nothing: "
+                           "give --image a picture with objects the model finds, or a larger --image-size"), err
+
+
+@pytest.mark.parametrize("option,value", [("--box-tol", "-1"), ("--box-rtol", "nan"), ("--score-tol", "inf")])
+def test_tolerances_are_finite_and_not_negative(option, value, capsys):
+    """--box-tol -1 called a correct file a MISMATCH; --score-tol nan passed every score."""
+    with pytest.raises(SystemExit) as info:
+        TOOL.parse_args(["--config", "c.yaml", "--weights", "w.pth", "--format", "onnx", "--output", "m.onnx",
+                         option, value])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {option} must be a finite number >= 0, got {value}")

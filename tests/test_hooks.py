@@ -85,6 +85,27 @@ def test_metrics_writer_means_names_lrs_and_counts_skipped(tmp_path, caplog):
     assert "lr[default] 0.02" in caplog.text and "lr[backbone.body] 0.002" in caplog.text and "eta" in caplog.text
 
 
+def test_metrics_writer_logs_the_lr_each_iteration_used(tmp_path):
+    """The step steps the scheduler before the hooks run: the groups then hold the next
+    iteration's LR, which was logged (iteration 1 showed the second warmup value, and a
+    drop at step N showed at iteration N although N trained at the old LR)."""
+    from detector.engine.optim import WarmupLRScheduler
+
+    model = Params()
+    opt = torch.optim.SGD([{"params": [model.w], "lr": 0.1, "name": "default"}])
+    sched = WarmupLRScheduler(opt, max_iter=10, steps=[3], warmup_iters=2, warmup_factor=0.01)
+    used = []
+    hook = MetricsWriter(1, opt, EventWriters(jsonl=JSONLWriter(tmp_path / "metrics.jsonl")), torch.device("cpu"),
+                         scheduler=sched)
+    state = LoopState(max_iter=10)
+    for _ in range(4):
+        used.append(opt.param_groups[0]["lr"])  # what the optimizer step of this iteration uses
+        sched.step()
+        run_steps([hook], state, [result(1.0, 1.0)])
+    assert [r["lr"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == pytest.approx(used, rel=1e-12)
+    assert used[0] == pytest.approx(0.001) and used[3] == pytest.approx(0.01)
+
+
 def test_metrics_writer_progress_bar_keeps_log_lines_out_of_the_console(tmp_path, capsys, caplog):
     model = Params()
     opt = torch.optim.SGD([{"params": [model.w], "lr": 0.5, "name": "default"}])

@@ -295,6 +295,34 @@ def test_lr_steps_out_of_order_are_refused_not_sorted(overrides, expected):
     assert load_config(TINY_CONFIG, ["solver.steps=[60,60,80]"]).solver.steps == [60, 60, 80]  # repeats: gamma twice, as torch's MultiStepLR
 
 
+@pytest.mark.parametrize("overrides,words", [
+    (["roi_heads.bg_iou_lo=0.6", "roi_heads.bg_iou_hi=0.2"], "'roi_heads.bg_iou_lo' (0.6) < 'roi_heads.bg_iou_hi' (0.2)"),
+    (["roi_heads.bg_iou_hi=0"], "'roi_heads.bg_iou_lo' (0) < 'roi_heads.bg_iou_hi' (0)"),
+    (["roi_heads.bg_iou_hi=0.7"], "'roi_heads.bg_iou_hi' (0.7) <= 'roi_heads.fg_iou_thresh' (0.5) must hold"),
+    (["rpn.bg_iou_thresh=0"], "'rpn.bg_iou_thresh' must be in (0, rpn.fg_iou_thresh=0.7], got 0"),
+    (["rpn.fg_iou_thresh=0.2", "rpn.bg_iou_thresh=0.6"], "'rpn.bg_iou_thresh' must be in (0, rpn.fg_iou_thresh=0.2], got 0.6"),
+])
+def test_matcher_thresholds_keep_a_background_range(overrides, words):
+    """Thresholds that leave no background (an empty or inverted range) trained on
+    positives only (roi/fg_fraction 1.0, rpn/num_neg_anchors 0), exit 0."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY_CONFIG, overrides)
+    assert words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["eval.tta.flip=true"], "config key 'eval.tta.flip' needs eval.tta.sizes (e.g. [64]"),
+    (["roi_heads.score_thresh=1"], "config key 'roi_heads.score_thresh' must be"),
+])
+def test_test_time_settings_that_do_nothing_are_refused(overrides, words):
+    """eval.tta.flip alone was dropped (TTA needs sizes); roi_heads.score_thresh=1 kept no
+    detection (scores are below 1): both evaluated to the plain or empty result, exit 0."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY_CONFIG, overrides)
+    assert words in str(e.value), str(e.value)
+    assert load_config(TINY_CONFIG, ["eval.tta.flip=true", "eval.tta.sizes=[64]"]).eval.tta.flip
+
+
 def test_override_after_resume_checkpoint_reaches_the_config(train_tool, capsys, tmp_path):
     """The override after ``--resume CKPT`` is applied: an out-of-range value in that place
     is refused by the config check (before it would have been an argparse usage error)."""

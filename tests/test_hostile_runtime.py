@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIG, load_tool, tiny_config, tiny_overrides
+from detector.config import load_config
 from detector.data import DataError, build_dataset, build_train_loader
 from detector.data.loader import unwrap_worker_error
 from detector.data.shapes import ensure_shapes
@@ -218,3 +219,42 @@ def test_resume_past_max_iter_is_refused(train_tool, capsys, checkpoint, shapes_
                      "--resume", str(checkpoint), *tiny_overrides(shapes_root, None, "solver.max_iter=1"))
     assert line == (f"error: --resume: {checkpoint} is at iteration 2, past solver.max_iter=1: raise solver.max_iter "
                     "to train on, or evaluate it with tools/eval.py")
+
+
+# --------------------------------------------------------------------------- batch settings changed on resume
+
+
+def _saved(ipg: int, world: int, position: int, per_epoch: int = 0, accumulate: int = 1) -> dict:
+    return {"epoch_position": position, "world_size": world,
+            "config": {"solver": {"images_per_gpu": ipg, "accumulate_steps": accumulate, "iters_per_epoch": per_epoch}}}
+
+
+def test_the_epoch_position_is_kept_in_images_when_the_batch_changes(caplog):
+    """The position was taken as batches: 3 images done at 1 a batch became 3 batches of
+    2 (6 images): 2 of the epoch's 8 images were never trained, silently."""
+    from detector.engine.resume_checks import batch_geometry_position
+
+    cfg = load_config(TINY_CONFIG, ["solver.images_per_gpu=2"])
+    with caplog.at_level("WARNING", logger="detector"):
+        assert batch_geometry_position(_saved(1, 1, 3), Path("last.pth"), cfg, world_size=1) == 1
+    assert "the epoch's 3 batches of 1 images done are 1 batches of 2 images (solver.images_per_gpu 1 -> 2)" \
+        in caplog.text
+    assert batch_geometry_position(_saved(2, 1, 3), Path("last.pth"), cfg, world_size=2) == 1  # 6 images, 4 a batch
+    assert batch_geometry_position(_saved(2, 1, 3), Path("last.pth"), cfg, world_size=1) == 3  # unchanged
+    assert batch_geometry_position({"epoch_position": 5}, Path("last.pth"), cfg, world_size=1) == 5  # older file
+
+
+def test_an_epoch_schedule_with_other_steps_an_epoch_is_refused():
+    """4 epochs at 4 steps an epoch, resumed on 2 ranks (2 steps an epoch): max_iter was
+    recomputed as 8 and the run 'finished' after 2 of its 4 epochs, exit 0."""
+    from detector.engine.resume_checks import CheckpointError, batch_geometry_position
+
+    cfg = load_config(TINY_CONFIG, ["solver.max_iter=0", "solver.max_epochs=4", "solver.steps=[]"])
+    cfg.solver.iters_per_epoch, cfg.solver.max_iter = 2, 8  # as resolve_epoch_schedule converts it
+    with pytest.raises(CheckpointError) as e:
+        batch_geometry_position(_saved(2, 1, 4, per_epoch=4), Path("last.pth"), cfg, world_size=2)
+    assert str(e.value) == ("--resume: last.pth trains by epochs at 4 optimizer steps an epoch; this run makes 2 "
+                            "(ranks 1 -> 2): its 4 epochs would end at iteration 8 instead of 16. Resume with the "
+                            "checkpoint's batch settings and ranks")
+    cfg.solver.iters_per_epoch, cfg.solver.max_iter = 4, 16
+    assert batch_geometry_position(_saved(2, 1, 4, per_epoch=4), Path("last.pth"), cfg, world_size=1) == 4

@@ -154,3 +154,15 @@ def test_another_head_with_the_same_class_count_is_not_blamed_on_the_classes(rep
         load_weights(tiny(repo_root), tmp_path / "head.pth", strict=True)
     msg = str(e.value)
     assert "num_classes" not in msg and "differ in shape" in msg and "roi_heads.box_" in msg, msg
+
+
+def test_weights_with_another_normalisation_say_that_theirs_is_used(repo_root, tmp_path, caplog):
+    """model.pixel_mean / pixel_std of the config were replaced by the weights' buffers
+    without a word (config.yaml then named values the model did not use)."""
+    torch.save(tiny(repo_root).state_dict(), tmp_path / "w.pth")
+    other = tiny(repo_root, "model.pixel_mean=[0.1,0.1,0.1]")
+    with caplog.at_level("WARNING", logger="detector"):
+        load_weights(other, tmp_path / "w.pth", strict=True)
+    assert "the weights' pixel_mean [0.485, 0.456, 0.406] replace model.pixel_mean [0.1, 0.1, 0.1]" in caplog.text
+    assert "pixel_std" not in caplog.text  # the same: nothing said
+    assert torch.allclose(other.pixel_mean.flatten(), torch.tensor([0.485, 0.456, 0.406]))

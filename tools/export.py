@@ -25,6 +25,7 @@ extra: pip install -e ".[export]". See docs/deploy.md.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -83,6 +84,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 f"{args.image_size[0]} {args.image_size[1]}")
     if args.time < 0:  # checked before the export, not after it
         p.error(f"--time must be >= 0, got {args.time}")
+    for option in ("box_tol", "box_rtol", "score_tol"):  # (-1 or nan called a correct file a MISMATCH)
+        value = getattr(args, option)
+        if not math.isfinite(value) or value < 0:
+            p.error(f"--{option.replace('_', '-')} must be a finite number >= 0, got {value:g}")
     return args
 
 
@@ -147,6 +152,9 @@ def export(args: argparse.Namespace) -> int:
     bad = [r for r in reports if not r.ok]
     if bad:
         raise ExportError(f"{output} does not match the eager model: {bad[0].line()}")
+    if not any(r.num_eager or r.num_exported for r in reports):  # 'parity ok' would say nothing
+        raise ExportError(f"{output}: no detections on the test images, so the parity check compared nothing: give "
+                          "--image a picture with objects the model finds, or a larger --image-size")
     print(f"parity ok: {args.format} file matches the eager model on {len(reports)} images")
     if args.time:
         print(format_timing(benchmark_exported(model, args.format, output, images[0], args.time)))

@@ -141,7 +141,7 @@ class ROIHeadsConfig:
     representation_size: int = field_(1024, ge=1, le=16384)
     box_coder_weights: List[float] = field(default_factory=lambda: [10.0, 10.0, 5.0, 5.0])
     sigma: float = field_(1.0, gt=0)
-    score_thresh: float = field_(0.05, ge=0, le=1)
+    score_thresh: float = field_(0.05, ge=0, lt=1, note="(detections scoring above it are kept)")
     nms_thresh: float = field_(0.5, gt=0, le=1)
     detections_per_img: int = field_(100, ge=1)
     min_box_size: float = field_(1e-2, ge=0)  # pixels, detections smaller than this are removed
@@ -330,7 +330,7 @@ class TrainConfig:
     amp: AMPConfig = field(default_factory=AMPConfig)
     log_period: int = field_(20, ge=1)
     checkpoint_period: int = field_(5000, ge=0, note="(0: only at the end)")
-    keep_last: int = field_(3, ge=0)
+    keep_last: int = field_(3, ge=0, note="(numbered checkpoints kept; 0: all)")
     eval_period: int = 5000
     best_metric: str = "AP"
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)

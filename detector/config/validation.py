@@ -291,8 +291,24 @@ def _check_model_keys(cfg: Config) -> None:
                               f"got {weights}")
 
 
+def _check_sampler_thresholds(cfg: Config) -> None:
+    """Every IoU matcher keeps a background range: RPN negatives are IoU < ``bg_iou_thresh``
+    (0: none), RoI negatives ``bg_iou_lo <= IoU < bg_iou_hi`` (empty when ``lo >= hi``),
+    and background sits below the foreground threshold. A run without negatives trained
+    on positives only, exit 0."""
+    rpn, roi = cfg.rpn, cfg.roi_heads
+    if not 0 < rpn.bg_iou_thresh <= rpn.fg_iou_thresh:
+        raise ConfigError(f"config key 'rpn.bg_iou_thresh' must be in (0, rpn.fg_iou_thresh={rpn.fg_iou_thresh:g}], "
+                          f"got {rpn.bg_iou_thresh:g}: anchors below it are the RPN's background")
+    if not roi.bg_iou_lo < roi.bg_iou_hi <= roi.fg_iou_thresh:
+        raise ConfigError(f"config keys 'roi_heads.bg_iou_lo' ({roi.bg_iou_lo:g}) < 'roi_heads.bg_iou_hi' "
+                          f"({roi.bg_iou_hi:g}) <= 'roi_heads.fg_iou_thresh' ({roi.fg_iou_thresh:g}) must hold: "
+                          "proposals in [bg_iou_lo, bg_iou_hi) are the box head's background")
+
+
 def _check_recipe_keys(cfg: Config) -> None:
     """``validate_config``'s rules for the sampler, data, input and solver keys."""
+    _check_sampler_thresholds(cfg)
     p = cfg.rpn.positive_weight
     if not (p == -1.0 or 0.0 < p < 1.0):
         raise ConfigError(f"config key 'rpn.positive_weight' must be -1 (uniform) or in (0, 1), got {p}")
@@ -310,6 +326,9 @@ def _check_recipe_keys(cfg: Config) -> None:
                           f"({lsj.max_scale})")
     if any(s < 1 for s in cfg.eval.tta.sizes):
         raise ConfigError(f"config key 'eval.tta.sizes' takes shorter-side sizes >= 1 ([] = off), got {cfg.eval.tta.sizes}")
+    if cfg.eval.tta.flip and not cfg.eval.tta.sizes:  # (flip alone was dropped without a word)
+        raise ConfigError(f"config key 'eval.tta.flip' needs eval.tta.sizes (e.g. [{cfg.input.min_size_test}]: the "
+                          "test size, flipped and not); TTA is off while eval.tta.sizes is empty")
     if cfg.eval.tta.sizes and cfg.eval.compute_val_loss:
         raise ConfigError("config key 'eval.compute_val_loss' cannot be true with eval.tta.sizes: with TTA the "
                           "evaluation reads images at their original size, the validation loss needs them at "

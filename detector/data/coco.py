@@ -56,8 +56,9 @@ def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_fi
 # and the predictor would be mostly unused labels, or too big to build (ids near 2**40).
 MAX_UNUSED_PER_CATEGORY = 10
 # An annotation's 'area' may exceed its box's w * h by this factor (+1 px²) before
-# coco_area calls it impossible (COCO's boxes and polygons are rounded).
-AREA_SLACK = 1.05
+# coco_area calls it impossible: a mask's anti-aliased or rounded fringe reaches past the
+# box (the shapes generator's by up to ~7 %); twice the box is no object's area.
+AREA_SLACK = 2.0
 MIN_SPARSE_CATEGORY_ID = 1000
 
 

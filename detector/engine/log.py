@@ -19,7 +19,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
-from detector.files import write_error, write_text
+from detector.files import json_safe, write_error, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,8 @@ class DeviceCounter(NamedTuple):
 
 
 class JSONLWriter:
-    """Append-only ``metrics.jsonl``: one JSON object per line, each with ``iteration``.
+    """Append-only ``metrics.jsonl``: one strict JSON object per line (a NaN or Inf value,
+    e.g. the loss of a skipped step, is ``null``), each with ``iteration``.
 
     ``truncate_after(it)`` drops every line whose iteration is greater than ``it``
     (used on resume, so no iteration is logged twice and none is missing).
@@ -202,7 +203,7 @@ class JSONLWriter:
         """
         try:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
+                f.write(json.dumps(json_safe(record), sort_keys=True, allow_nan=False) + "\n")  # NaN: null
                 f.flush()
         except OSError as exc:
             raise write_error(self.path, exc) from None

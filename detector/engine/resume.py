@@ -19,6 +19,7 @@ from detector.engine.checkpointing import Checkpointer, TrainingState, get_rng_s
 from detector.engine.optim import WarmupLRScheduler
 from detector.engine.resume_checks import (
     CheckpointError,
+    batch_geometry_position,
     check_class_names,
     check_extras,
     check_loop_position,
@@ -83,6 +84,7 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
     except WeightsError as exc:  # another architecture: names the first mismatched keys and shapes
         raise CheckpointError(f"--resume: {exc}") from None
     check_class_names(state, path, cfg)
+    state["epoch_position"] = batch_geometry_position(state, path, cfg, world_size)
     check_loop_position(state, path, batches_per_epoch, world_size)
     if int(state["iteration"]) > cfg.solver.max_iter:  # equal: a finished run, evaluated again
         raise CheckpointError(f"--resume: {path} is at iteration {int(state['iteration'])}, past solver.max_iter="

@@ -97,6 +97,44 @@ def check_loop_position(state: Dict[str, Any], path: Path, batches_per_epoch: Op
         raise CheckpointError(f"--resume: {path}: field 'best_value' must be a finite number or null, got {_show(best)}")
 
 
+def batch_geometry_position(state: Dict[str, Any], path: Path, cfg: Config, world_size: int) -> int:
+    """The checkpoint's ``epoch_position`` (batches of its ``images_per_gpu`` on each of its
+    ``world_size`` ranks) in this run's batches: the same number of images of the epoch
+    done, rounded down (it was taken as batches: a resume with 2 images a batch where the
+    checkpoint had 1 skipped half the epoch's rest). A run trained by epochs whose
+    optimizer steps per epoch (``solver.iters_per_epoch``) changed is refused: its
+    ``max_iter`` would be another number of epochs (a run stopped after 2 of 4, exit 0).
+
+    Raises:
+        CheckpointError: one line naming the settings that changed.
+    """
+    position = _int_field(state, "epoch_position", path, default=0)
+    saved = state.get("config") if isinstance(state.get("config"), dict) else {}
+    solver = saved.get("solver") if isinstance(saved.get("solver"), dict) else {}
+    old_ipg, old_world = solver.get("images_per_gpu"), state.get("world_size", world_size)
+    if not (_is_int(old_ipg) and _is_int(old_world) and old_ipg > 0 and old_world > 0):
+        return position  # an older or hand-made checkpoint: taken as it is
+    s = cfg.solver
+    changed = ", ".join(f"{name} {a} -> {b}" for name, a, b in (
+        ("solver.images_per_gpu", old_ipg, s.images_per_gpu), ("ranks", old_world, world_size),
+        ("solver.accumulate_steps", solver.get("accumulate_steps", s.accumulate_steps), s.accumulate_steps))
+        if a != b)
+    old_per_epoch = solver.get("iters_per_epoch")
+    if s.max_epochs > 0 and _is_int(old_per_epoch) and 0 < old_per_epoch != s.iters_per_epoch:
+        raise CheckpointError(
+            f"--resume: {path} trains by epochs at {old_per_epoch} optimizer steps an epoch; this run makes "
+            f"{s.iters_per_epoch} ({changed or 'the training set changed'}): its {s.max_epochs} epochs would end at "
+            f"iteration {s.max_iter} instead of {s.max_epochs * old_per_epoch}. Resume with the checkpoint's batch "
+            "settings and ranks")
+    old_images, new_images = int(old_ipg) * int(old_world), s.images_per_gpu * world_size
+    if position and old_images != new_images:
+        converted = position * old_images // new_images
+        logger.warning("resume: %s: the epoch's %d batches of %d images done are %d batches of %d images (%s)",
+                       path.name, position, old_images, converted, new_images, changed)
+        return converted
+    return position
+
+
 def check_rng_states(state: Dict[str, Any], path: Path,
                      get_state: Any, set_state: Any) -> None:
     """Each ``rng.per_rank[r]`` restores (tried with ``set_state``; the states of

@@ -30,16 +30,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import zlib
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
 from torch import nn
 
 from detector.config import Config, config_to_yaml, save_config
-from detector.data import (build_dataset, check_data_paths, check_val_classes, first_other_label,
+from detector.data import (DataError, build_dataset, check_data_paths, check_val_classes, first_other_label,
                            resolve_class_names, resolve_num_classes)
 from detector.data.loader import build_train_loader
-from detector.distributed import DistInfo, init_distributed, seed_everything
+from detector.distributed import DistInfo, all_gather_object, init_distributed, seed_everything
 from detector.engine.amp import AmpSettings, resolve_amp
 from detector.engine.checkpointing import Checkpointer, TrainingState
 from detector.engine.hooks import (EMAHook, EvalHook, MetricsWriter, NonFiniteGuard, PairedValidator,
@@ -128,6 +129,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     # A batch that cannot fit is refused before anything is built (ranks on the CPU share the host's memory).
     check_batch_memory(cfg, dist.device, dist.local_world_size if dist.device.type == "cpu" else 1)
     cfg, train_set, val_set = _training_data(cfg)
+    _check_one_training_set(train_set, dist)
     loader = build_train_loader(cfg, train_set, dist.rank, dist.world_size)
     cfg = resolve_epoch_schedule(cfg, len(loader))  # before the scheduler, config.yaml and checkpoints
     model = _initial_model(cfg, output_dir, is_main, list(train_set.class_names))
@@ -218,6 +220,26 @@ def _training_data(cfg: Config) -> Tuple[Config, Any, Any]:
     return cfg, train_set, build_dataset(cfg, "val", False)
 
 
+def _check_one_training_set(train_set: Any, dist: DistInfo) -> None:
+    """Every rank reads the same training set (the sampler splits one set's indices): a
+    rank whose copy differs (node-local data) trained on silently, or converted an epoch
+    schedule to another ``max_iter`` and waited on the others until the timeout.
+
+    Raises:
+        DataError: one line naming the first rank that differs from rank 0.
+    """
+    if dist.world_size <= 1:
+        return
+    a = train_set.records.arrays
+    mine = (len(train_set), int(len(a["boxes"])), zlib.crc32(a["image_ids"].tobytes()))
+    seen = all_gather_object(mine)
+    other = next((r for r, s in enumerate(seen) if s != seen[0]), None)
+    if other is not None:
+        raise DataError(f"data.train: rank {other} reads another training set than rank 0 ({seen[other][0]} images, "
+                        f"{seen[other][1]} boxes against {seen[0][0]} and {seen[0][1]}, or other image ids): every rank "
+                        "must read the same set (the sampler splits it); check data.train on every node")
+
+
 def _initial_model(cfg: Config, output_dir: Path, is_main: bool, class_names: List[str]) -> FasterRCNN:
     """``build_model(cfg)`` with ``model.weights`` loaded; rank 0 logs its summary.
     ``class_names``: the training set's, label 1..K (``_warn_other_classes``)."""
@@ -285,7 +307,8 @@ def _build_hooks(cfg: Config, dist: DistInfo, checkpointer: Checkpointer, writer
     return [
         NonFiniteGuard(cfg.train.max_nonfinite_steps, checkpointer, world_size, cfg.train.log_period),
         MetricsWriter(cfg.train.log_period, step.optimizer, writers, dist.device, world_size, step.scaler,
-                      progress_bar=is_main and sys.stderr.isatty(), is_main=is_main, counters=counters),
+                      progress_bar=is_main and sys.stderr.isatty(), is_main=is_main, counters=counters,
+                      scheduler=step.scheduler),
         PeriodicCheckpointer(checkpointer, cfg.train.checkpoint_period),
         eval_hook,  # after the checkpointer: the final checkpoint comes before the final evaluation
         # Last: its handlers stay until every other hook has ended. After a failure the other

@@ -36,7 +36,7 @@ import numpy as np
 from torch import nn
 
 from detector.data.loader import build_test_loader
-from detector.files import atomic_write, output_folder, write_text
+from detector.files import atomic_write, json_safe, output_folder, write_text
 from detector.messages import DetectorError, typed_first_line
 
 from ..distributed import all_gather_object, amp_dtype as resolve_amp_dtype, get_rank, get_world_size
@@ -149,21 +149,10 @@ def _per_class_rows(cat_ids: List[int], names: List[str], dets: Detections, coco
 # --------------------------------------------------------------------------- output
 
 
-def _json_safe(value: Any) -> Any:
-    """nan/inf -> None (strict JSON has no NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def write_json(path: str | Path, data: Any) -> Path:
     """Write ``data`` as JSON (nan/inf as null) through ``detector.files.write_text``:
     atomic, and a failure is an ``OutputError`` naming the path."""
-    return write_text(path, json.dumps(_json_safe(data), indent=1, allow_nan=False))
+    return write_text(path, json.dumps(json_safe(data), indent=1, allow_nan=False))
 
 
 def write_outputs(
@@ -351,6 +340,10 @@ def evaluate(
         "evaluated %d images on %d rank(s), %d detections, %.1f ms/image (model only)\n%s",
         len(image_ids), world_size, len(results), timing["time_per_image_ms"], format_table(metrics, report.per_class),
     )  # fmt: skip
+    if not len(results) and len(image_ids):  # every metric 0: say where to look
+        logger.warning("no detections on any of the %d images, so every metric is 0: a model early in training, or "
+                       "roi_heads.score_thresh=%g, input.min_size_test=%d or the weights", len(image_ids),
+                       cfg.roi_heads.score_thresh, cfg.input.min_size_test)
     if output_dir is not None:
         write_outputs(report, results, output_dir, extra_metrics=timing)
     return EvalMetrics(metrics, report)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -12,6 +13,8 @@ from .backbone import ResNetFPN
 from .roi_heads import ROIHeads
 from .rpn import RegionProposalNetwork
 from .training_stats import TrainingLosses, stats_of
+
+logger = logging.getLogger(__name__)
 
 
 def check_inputs(images: Sequence[Tensor], targets: Optional[Sequence[Dict[str, Tensor]]],
@@ -142,6 +145,21 @@ class FasterRCNN(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.pixel_mean.device
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Tensor], prefix: str, *args: object) -> None:
+        """Weights that carry another ``pixel_mean`` / ``pixel_std`` than the config's
+        replace them (the model was trained with theirs): said once each, since the
+        config (and a run's ``config.yaml``) then names values the model does not use."""
+        for name in ("pixel_mean", "pixel_std"):
+            theirs = state_dict.get(prefix + name)
+            ours = getattr(self, name)
+            if isinstance(theirs, Tensor) and theirs.shape == ours.shape and not torch.allclose(
+                    theirs.float().cpu(), ours.float().cpu(), rtol=0, atol=1e-6):
+                logger.warning("the weights' %s %s replace model.%s %s of the config: the model normalises with "
+                               "the weights' (set model.%s to them to keep both alike)", name,
+                               [round(v, 4) for v in theirs.flatten().tolist()], name,
+                               [round(v, 4) for v in ours.flatten().tolist()], name)
+        super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[arg-type]
 
     def preprocess(self, images: Sequence[Tensor]) -> Tuple[Tensor, List[Tuple[int, int]]]:
         """List of ``[3, H_i, W_i]`` -> padded normalised ``[N, 3, H, W]`` float32 and the

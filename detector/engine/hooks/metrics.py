@@ -18,7 +18,13 @@ from detector.engine.train_loop import HookBase, LoopState
 logger = logging.getLogger(__name__)
 
 
-def _named_lrs(groups: List[Dict[str, Any]]) -> Dict[str, float]:
+def _named_lrs(groups: List[Dict[str, Any]], scheduler: Any = None, iteration: int = 0) -> Dict[str, float]:
+    """Each group's LR by name: the one iteration ``iteration`` trained with where the
+    ``scheduler`` is given (``base_lr * factor(iteration - 1)``: the groups hold the next
+    iteration's by now, and a tensor LR would be a device read), else the groups' own."""
+    if scheduler is not None:
+        factor = scheduler.factor(iteration - 1)
+        return {str(g.get("name", i)): float(base) * factor for i, (g, base) in enumerate(zip(groups, scheduler.base_lrs))}
     return {str(g.get("name", i)): float(g["lr"]) for i, g in enumerate(groups)}
 
 
@@ -62,6 +68,7 @@ class MetricsWriter(HookBase):
         progress_bar: bool = False,
         is_main: bool = True,
         counters: Sequence[DeviceCounter] = (),
+        scheduler: Any = None,
     ) -> None:
         if period <= 0:
             raise ValueError(f"train.log_period must be > 0, got {period}")
@@ -74,6 +81,7 @@ class MetricsWriter(HookBase):
         self.progress_bar = progress_bar
         self.is_main = is_main
         self.counters = list(counters)
+        self.scheduler = scheduler  # (``WarmupLRScheduler``: the logged LR is the one the iteration used)
         self._counted = [0.0] * len(self.counters)  # each counter's value (all ranks) at the last record
         self._bar: Optional[tqdm] = None
         self._reset(time.perf_counter())
@@ -200,7 +208,7 @@ class MetricsWriter(HookBase):
         iter_time = elapsed / max(1, self._count)
         self._recent_iter_times = (self._recent_iter_times + [iter_time])[-5:]
         eta = sum(self._recent_iter_times) / len(self._recent_iter_times) * (state.max_iter - state.iteration)
-        lrs = _named_lrs(self.optimizer.param_groups)
+        lrs = _named_lrs(self.optimizer.param_groups, self.scheduler, state.iteration)
         record: Dict[str, Any] = {
             "iteration": state.iteration,
             "type": "train",
