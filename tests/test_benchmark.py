@@ -216,6 +216,7 @@ def test_data_task_json(tmp_path):
         f"loader {loader['images_per_s']:.1f} img/s ({load_config(TINY).data.num_workers} workers)")
 
 
+@pytest.mark.slow  # ~30 s: 2 ranks x 3 sharing modes, each a fresh interpreter (a measurement tool, not torch's API)
 def test_data_task_records_file(tmp_path):
     """``--records-file``: the records case on a COCO file (the shapes' train.json), parsed
     in a fresh interpreter and read by 2 ranks x 1 worker."""

@@ -17,6 +17,7 @@ RUN_FIELDS = ("iterations", "images", "train_s", "images_per_s", "stopped_by", "
               "recipe", "loadavg_start", "loadavg_train_end")
 
 
+@pytest.mark.slow  # ~20 s: two short trainings to a target (a benchmark of minutes on the demo)
 def test_time_to_accuracy_json_within_budget(tiny_data, tmp_path):
     budget = 2.0
     out = tmp_path / "time_to_accuracy.json"
