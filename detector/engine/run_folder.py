@@ -52,7 +52,9 @@ logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 LOG_NAME = "log.txt"
-_RUN_OUTPUTS = ("metrics.jsonl", "tb", "eval", LOG_NAME)
+# The previous run's records, cleared with its checkpoints (the log: at once, see _resume_point).
+_RUN_RECORDS = ("metrics.jsonl", "tb", "eval")
+_RUN_OUTPUTS = (*_RUN_RECORDS, LOG_NAME)
 # Every name a run writes at the top of its folder (besides LOCK_NAME).
 RUN_FILES = (*_RUN_OUTPUTS, ckpt.CHECKPOINT_DIR_NAME, "config.yaml", "summary.json")
 
@@ -230,7 +232,7 @@ class RunFolder:
         # The previous run's records must not mix with this one's. The log goes now: this
         # attempt's log starts here (a refused one leaves its reason in log.txt).
         _remove(path / LOG_NAME)
-        return None, ([ckpt.checkpoint_dir(path)] if held else []) + [path / n for n in _RUN_OUTPUTS if n != LOG_NAME]
+        return None, ([ckpt.checkpoint_dir(path)] if held else []) + [path / n for n in _RUN_RECORDS]
 
     def clear_previous_run(self) -> None:
         """Delete the previous run's checkpoints (``--overwrite``) and records, for a fresh

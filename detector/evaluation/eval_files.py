@@ -110,15 +110,23 @@ def load_predictions(path: str | Path, gt: Dict[str, Any]) -> Detections:
     image_ids, cat_ids = check_ground_truth(gt)
     data = read_results_file(path)
     if isinstance(data, Detections):
-        check_detection_ids(data, image_ids, cat_ids, source=str(path))
-        if not len(data.score):  # scored 0 everywhere: say why (an export that failed, a wrong file)
-            logger.warning("%s holds no detections: every metric is 0 (or -1 where there is no ground truth)", path)
-        return data
+        dets, source = data, str(path)
+    else:
+        dets, source = _dict_form_detections(data, gt, path), f"{path}: annotations"
+    check_detection_ids(dets, image_ids, cat_ids, source=source)
+    if not len(dets.score):  # scored 0 everywhere: say why (an export that failed, a wrong file)
+        logger.warning("%s holds no detections: every metric is 0 (or -1 where there is no ground truth)", path)
+    return dets
+
+
+def _dict_form_detections(data: Any, gt: Dict[str, Any], path: str | Path) -> Detections:
+    """The detections of a COCO-format dict results file, its own image and category ids
+    mapped onto ``gt``'s (``_id_map``)."""
     if not isinstance(data, dict) or "annotations" not in data:
         raise ResultsError(f"{path}: expected a list of COCO results or a dict with 'annotations'")
+    gt_categories = {str(c.get("name", c["id"])): c["id"] for c in gt["categories"]}
     image_map = _id_map(data, "images", "file_name", _gt_image_names(gt), path)
-    cat_map = _id_map(data, "categories", "name",
-                      lambda name: {str(c.get("name", c["id"])): c["id"] for c in gt["categories"]}.get(name), path)
+    cat_map = _id_map(data, "categories", "name", gt_categories.get, path)
     results = []
     for i, ann in enumerate(data["annotations"]):
         if not isinstance(ann, dict):
@@ -134,11 +142,7 @@ def load_predictions(path: str | Path, gt: Dict[str, Any]) -> Detections:
                 raise ResultsError(f"{path}: annotations[{i}] has {key} {_describe(value)}, not an id of its '{section}'")
             res[key] = mapping[int(value)]
         results.append(res)
-    dets = detections_from_records(results, source=f"{path}: annotations")
-    check_detection_ids(dets, image_ids, cat_ids, source=f"{path}: annotations")
-    if not len(dets.score):
-        logger.warning("%s holds no detections: every metric is 0 (or -1 where there is no ground truth)", path)
-    return dets
+    return detections_from_records(results, source=f"{path}: annotations")
 
 
 def _gt_image_names(gt: Dict[str, Any]) -> Callable[[str], Any]:
