@@ -26,7 +26,9 @@ class OutputError(DetectorError, OSError):
     ``OSError`` too, for code that catches those)."""
 
 
-def _reason(exc: BaseException) -> str:
+def write_reason(exc: BaseException) -> str:
+    """Why a write failed, in words: "no space left on the device", the OS's words, or
+    the exception's first line."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return "no space left on the device"
     if isinstance(exc, OSError) and exc.strerror:
@@ -49,7 +51,7 @@ def json_safe(value: Any) -> Any:
 def write_error(path: "str | os.PathLike", exc: BaseException) -> OutputError:
     """``OutputError("cannot write <path>: <reason>")`` for a failed write to ``path``
     ("no space left on the device", the OS's words, or the exception's first line)."""
-    return OutputError(f"cannot write {path}: {_reason(exc)}")
+    return OutputError(f"cannot write {path}: {write_reason(exc)}")
 
 
 def missing_file_state(path: "str | os.PathLike") -> str:
@@ -85,7 +87,7 @@ def output_folder(path: "str | os.PathLike", what: str = "output folder") -> Pat
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"cannot create {what} {path}: {_reason(exc)}") from None
+        raise OutputError(f"cannot create {what} {path}: {write_reason(exc)}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise OutputError(f"{what} {path} is not writable")
     return path

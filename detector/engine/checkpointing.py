@@ -18,7 +18,6 @@ one: ``detector.engine.resume``).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
@@ -34,12 +33,12 @@ from torch import nn
 
 from detector.config import Config, config_to_dict
 from detector.distributed import all_gather_object
-from detector.files import atomic_write, missing_file_state, no_file_message
+from detector.files import atomic_write, missing_file_state, no_file_message, write_reason
 from detector.engine.optim import WarmupLRScheduler
 from detector.engine.resume_checks import (
     CheckpointError,
 )
-from detector.messages import DetectorError, first_line
+from detector.messages import DetectorError
 from detector.modeling.weights import WeightsError, nonfinite_names, read_weights_file
 
 logger = logging.getLogger(__name__)
@@ -224,20 +223,17 @@ LOW_SPACE_BYTES = 64 * 2**20
 
 
 def _write_failure_reason(exc: BaseException, folder: Path) -> str:
-    """Why a checkpoint write failed, in words: the OS's (``strerror``), "no space left
-    on the device" where the folder's file system is (nearly) full, else the exception's
-    first line."""
-    if getattr(exc, "errno", None) == errno.ENOSPC:
-        return "no space left on the device"
-    if getattr(exc, "strerror", None):
-        return str(exc.strerror)  # type: ignore[attr-defined]
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        free = None
-    if free is not None and free < LOW_SPACE_BYTES:
-        return f"no space left on the device ({free / 2**20:.1f} MiB free)"
-    return first_line(exc)
+    """Why a checkpoint write failed, in words: ``detector.files.write_reason``'s, except
+    that torch's zip writer's error (not an ``OSError``) on a (nearly) full file system
+    says "no space left on the device"."""
+    if not isinstance(exc, OSError):
+        try:
+            free: Optional[int] = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
+        if free is not None and free < LOW_SPACE_BYTES:
+            return f"no space left on the device ({free / 2**20:.1f} MiB free)"
+    return write_reason(exc)
 
 
 class Checkpointer:
