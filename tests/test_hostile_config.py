@@ -263,8 +263,26 @@ def test_batch_memory_estimate(tmp_path):
     with pytest.raises(ConfigError, match=r"needs at least 2\.4 GiB .* x 2 ranks\) but cpu has 2\.0 GiB free"):
         check_batch_memory(cfg, torch.device("cpu"), ranks_on_device=2, free=2 * GIB)
     # the shorter side is capped by the longer side's limit
-    small = load_config(TINY_CONFIG, ["input.min_size_train=[5000]", "input.max_size_train=100"])
+    small = load_config(TINY_CONFIG, ["input.min_size_train=[100]", "input.max_size_train=100"])
     assert batch_bytes(small) == small.solver.images_per_gpu * 100 * 100 * 250
+
+
+@pytest.mark.parametrize("overrides,key,cap", [
+    (["input.min_size_test=800", "input.max_size_test=600"], "input.min_size_test", "input.max_size_test=600"),
+    (["input.min_size_train=[480,800]", "input.max_size_train=640"], "input.min_size_train", "input.max_size_train=640"),
+    (["eval.tta.sizes=[64,128]", "input.max_size_test=96"], "eval.tta.sizes", "input.max_size_test=96"),
+])
+def test_a_shorter_side_above_its_cap_is_refused(overrides, key, cap):
+    """A size above the longer side's cap has no effect (the cap sets every image's scale):
+    a swapped min/max pair tested at another size than the user set, and a multi-scale list
+    silently trained at fewer scales."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY_CONFIG, overrides)
+    msg = str(e.value)
+    assert msg.startswith(f"config key '{key}' has shorter-side sizes above {cap}") and "\n" not in msg, msg
+    # large-scale jitter does not read min_size_train; sizes at the cap are accepted
+    load_config(TINY_CONFIG, ["input.min_size_train=[480,800]", "input.max_size_train=640", "input.lsj.enabled=true"])
+    load_config(TINY_CONFIG, ["input.min_size_test=96", "input.max_size_test=96"])
 
 
 # --------------------------------------------------------------------------- command line

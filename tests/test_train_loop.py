@@ -120,3 +120,33 @@ def test_fewer_batches_than_accumulation_steps_is_one_line():
     with pytest.raises(ValueError, match="fewer than solver.accumulate_steps=3") as e:
         trainer.train()
     assert "\n" not in str(e.value)
+
+
+class Ends(HookBase):
+    """Records the statuses its ``after_train`` saw; ``fail``: raises at ``finished`` (as a
+    failing final evaluation does)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.statuses = fail, []
+
+    def after_train(self, state: LoopState) -> None:
+        self.statuses.append(state.status)
+        if self.fail and state.status == "finished":
+            raise RuntimeError("final evaluation failed")
+
+
+def test_a_hook_failing_at_the_end_fails_the_run_for_every_hook():
+    """A failing final evaluation (an after_train that raises) was the one failure after
+    which the other hooks never heard of it: no "stopped" record in metrics.jsonl, the
+    signal handlers of the hooks after it left in place."""
+    before, failing, after = Ends(), Ends(fail=True), Ends()
+    model = Scale()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0))
+    trainer = Trainer(model, Loader(2), step, [before, failing, after], LoopState(max_iter=2))
+    with pytest.raises(RuntimeError, match="final evaluation failed"):
+        trainer.train()
+    assert (trainer.state.status, trainer.state.error) == ("failed", "final evaluation failed")
+    assert before.statuses == ["finished", "failed"]
+    assert failing.statuses == ["finished", "failed"]
+    assert after.statuses == ["failed"]

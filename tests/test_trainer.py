@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 
+from detector.data.shapes import ensure_shapes
 from detector.engine.checkpointing import Checkpointer, find_resume_checkpoint, load_checkpoint
 from detector.engine.hooks import NonFiniteLossError, PeriodicCheckpointer
 from detector.engine.log import read_jsonl
@@ -342,6 +343,8 @@ def test_val_images_removed_mid_run_cost_no_checkpoint(data_root, tmp_path, cli)
     """The final evaluation fails: one error line naming the checkpoint to evaluate
     later, exit status 1, and last.pth holds the final iteration."""
     val_root = tmp_path / "val_data"
+    shapes = tiny_config(data_root).data.shapes  # the data, made here if this test runs first
+    ensure_shapes(data_root, shapes.num_train, shapes.num_val, shapes.seed, shapes.min_side, shapes.max_side)
     shutil.copytree(data_root, val_root)
     out = tmp_path / "run"
     metrics = out / "metrics.jsonl"
@@ -362,6 +365,8 @@ def test_val_images_removed_mid_run_cost_no_checkpoint(data_root, tmp_path, cli)
     assert_one_error_line(err, "evaluation at iteration 4 failed (FileNotFoundError: image file",
                           f"python tools/eval.py --config {out / 'config.yaml'} --weights {last}")
     assert torch.load(last, weights_only=True)["iteration"] == 4
+    end = read_jsonl(metrics)[-1]  # the run failed: its record says why, as any failure's does
+    assert end["type"] == "stopped" and end["reason"].startswith("evaluation at iteration 4 failed"), end
 
 
 def test_diverged_run_names_a_finite_checkpoint_that_resumes(data_root, tmp_path):

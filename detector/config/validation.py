@@ -320,6 +320,7 @@ def _check_recipe_keys(cfg: Config) -> None:
     if not cfg.input.min_size_train or any(not 1 <= s <= MAX_IMAGE_SIDE for s in cfg.input.min_size_train):
         raise ConfigError(f"config key 'input.min_size_train' needs at least one size, each in 1..{MAX_IMAGE_SIDE} "
                           f"(pixels), got {cfg.input.min_size_train}")
+    _check_input_sizes(cfg)
     lsj = cfg.input.lsj
     if lsj.min_scale > lsj.max_scale:
         raise ConfigError(f"config key 'input.lsj.min_scale' ({lsj.min_scale}) must be <= input.lsj.max_scale "
@@ -347,6 +348,24 @@ def _check_recipe_keys(cfg: Config) -> None:
     if len(set(cfg.data.class_names)) != len(cfg.data.class_names):
         dup = next(n for n in cfg.data.class_names if cfg.data.class_names.count(n) > 1)
         raise ConfigError(f"config key 'data.class_names' names {dup!r} twice")
+
+
+def _check_input_sizes(cfg: Config) -> None:
+    """A shorter-side size above its longer-side cap has no effect (the cap decides every
+    image's scale): a swapped pair, or a multi-scale list that silently collapses."""
+    inp = cfg.input
+    rules = [("input.min_size_test", [inp.min_size_test], "input.max_size_test", inp.max_size_test),
+             ("eval.tta.sizes", list(cfg.eval.tta.sizes), "input.max_size_test", inp.max_size_test)]
+    if not inp.lsj.enabled:  # (large-scale jitter does not read min_size_train)
+        rules.insert(0, ("input.min_size_train", list(inp.min_size_train), "input.max_size_train", inp.max_size_train))
+    for key, sizes, cap_key, cap in rules:
+        above = [s for s in sizes if s > cap]
+        if above:
+            only = f"[{cap}]" if key != "input.min_size_test" else str(cap)
+            raise ConfigError(
+                f"config key '{key}' has shorter-side sizes above {cap_key}={cap} ({above}): the longer side's "
+                f"cap decides the scale of every image, so they act as {cap}; lower them or raise {cap_key} "
+                f"(to cap the longer side only, set {key}={only})")
 
 
 def _check_schedule_keys(cfg: Config) -> None:

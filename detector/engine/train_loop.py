@@ -3,8 +3,8 @@
 ``Trainer`` only runs: it is given the model, the loader, the step, the hooks and
 where to start, all built by ``detector.engine.trainer.build_trainer``. For every
 hook in list order the loop calls ``before_train(state)`` once, ``after_step(state)``
-after every iteration and ``after_train(state)`` once at the end (also after an
-error, with ``state.status == "failed"``). ``state`` is the ``LoopState`` the loop
+after every iteration and ``after_train(state)`` at the end (also after an
+error, with ``state.status == "failed"``; see ``HookBase``). ``state`` is the ``LoopState`` the loop
 updates; a hook reads it and may set ``stop_requested``.
 """
 
@@ -71,7 +71,10 @@ class LoopState:
 
 
 class HookBase:
-    """Base class: override any of the three methods."""
+    """Base class: override any of the three methods. ``after_train`` is called once the
+    loop ends, with ``state.status`` ``finished`` or ``interrupted``; when the loop or a
+    hook's ``after_train`` (the final evaluation) raises, it is called with ``failed``
+    (so a hook may see ``finished``, then ``failed``)."""
 
     def before_train(self, state: LoopState) -> None:
         pass
@@ -167,7 +170,11 @@ class Trainer:
             self._loop(state)
             ended = state.iteration >= state.max_iter or state.early_stop is not None
             state.status = "finished" if ended else "interrupted"
+            for hook in self.hooks:
+                hook.after_train(state)
         except BaseException as exc:
+            # Also a hook's own after_train (the final evaluation failing): every hook then
+            # ends a failed run, as after a failure in the loop (the "stopped" record).
             state.status, state.error = "failed", first_line(exc)
             for hook in self.hooks:
                 try:
@@ -175,8 +182,6 @@ class Trainer:
                 except Exception:  # noqa: BLE001 - the original error is the one to report
                     logger.debug("hook %s failed after an error", type(hook).__name__, exc_info=True)
             raise
-        for hook in self.hooks:
-            hook.after_train(state)
         barrier(self.dist_info)
         return TrainResult(state.iteration, state.status, dict(state.metrics), self.output_dir,
                            state.stop_requested if state.status == "interrupted" else None)
