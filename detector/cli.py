@@ -21,6 +21,7 @@ the console does not show. Usage errors stay with argparse (status 2).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -46,6 +47,18 @@ def user_path(text: str) -> str:
     (the ``=`` form), nor a quoted ``"~/runs"``; config values get the same expansion
     (``detector.config``'s path keys)."""
     return os.path.expanduser(text)
+
+
+def output_file(text: str) -> str:
+    """``argparse`` type of a file a tool writes (``--json``, ``export.py --output``): as
+    ``user_path``, refusing an empty name and one that ends with a path separator (a
+    folder: ``pathlib`` drops the separator, and a file named as the folder was written)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name the file to write")
+    if text.endswith(tuple(sep for sep in ("/", os.sep, os.altsep) if sep)):
+        raise argparse.ArgumentTypeError(f"{text!r} ends with {text[-1]!r}, so it names a folder: name the file to "
+                                         f"write (e.g. {text}result.json)")
+    return user_path(text)
 
 
 OUT_OF_MEMORY_ADVICE = "use smaller batches or images (solver.images_per_gpu, eval.images_per_gpu, the input.* sizes)"

@@ -26,7 +26,7 @@ from detector.data import (DataError, build_dataset, check_val_classes, class_na
                            resolve_num_classes)
 from detector.data.shapes import ensure_shapes
 from detector.engine.trainer import build_trainer
-from detector.modeling.weights import trained_class_names
+from detector.modeling.trained_config import other_settings, trained_class_names, trained_settings
 
 SHAPES = ["circle", "rectangle", "triangle"]
 
@@ -263,6 +263,41 @@ def test_tools_refuse_a_config_that_names_the_labels_otherwise_than_the_run(shap
     # With the names given (in the run's order), the same file is read by name: accepted.
     named = [*other, "data.class_names=[circle,rectangle,triangle]"]
     assert load_tool("eval").main([*named, *calls["eval"]]) == 0
+
+
+def test_tools_warn_of_a_config_that_decodes_the_weights_otherwise(shapes, coco_run, tmp_path, capsys):
+    """Another recipe's anchors and box-coder weights load without a shape mismatch and
+    find fewer objects: eval, infer and export say which keys differ from the run's."""
+    weights = str(coco_run / "checkpoints" / "last.pth")
+    base = ["--config", str(TINY_CONFIG), *coco_overrides(shapes, shapes / "val.json")]
+    other = ["model.anchors.sizes=[[32],[64],[128],[256],[512]]", "roi_heads.box_coder_weights=[1,1,1,1]"]
+    calls = {
+        "eval": ["--weights", weights, "--output-dir", str(tmp_path / "eval")],
+        "infer": ["--weights", weights, "--input", str(shapes / "val"), "--output-dir", str(tmp_path / "infer")],
+        "export": ["--weights", weights, "--output", str(tmp_path / "model.pt"), "--format", "torchscript"],
+    }
+    for tool, args in calls.items():
+        for overrides in ([], other):
+            assert load_tool(tool).main([*base, *overrides, *args]) == 0, tool
+            out, err = capsys.readouterr()  # (tools/eval.py logs to stdout, its lines wrapped)
+            said = " ".join((out + err).split())
+            assert said.count("decodes them otherwise") == (1 if overrides else 0), (tool, said)
+            if overrides:
+                assert (f"--weights {weights}: this config decodes them otherwise than the run that trained them: "
+                        "model.anchors.sizes=[[32],[64],[128],[256],[512]] (trained with [[16],[32],[64],[128],[256]]); "
+                        "roi_heads.box_coder_weights=[1,1,1,1] (trained with [10,10,5,5]); ") in said, tool
+
+
+def test_trained_settings_of_checkpoints_and_state_dicts():
+    sizes = [[16], [32], [64], [128], [256]]  # the tiny config's
+    config = {"model": {"anchors": {"sizes": sizes}}, "roi_heads": {"aligned": True}}
+    trained = trained_settings({"model": {}, "config": config})
+    assert trained == {"model.anchors.sizes": [[float(s[0])] for s in sizes], "roi_heads.aligned": True}  # others: not stored
+    cfg = load_config(TINY_CONFIG, ["model.anchors.sizes=[[16],[32.0],[64],[128],[256]]", "roi_heads.aligned=true"])
+    assert other_settings(trained, cfg) == []  # 64 and 64.0 are one size
+    cfg = load_config(TINY_CONFIG, ["roi_heads.aligned=false"])
+    assert other_settings(trained, cfg) == ["roi_heads.aligned=false (trained with true)"]
+    assert trained_settings({"weight": object()}) == {}
 
 
 def test_trained_class_names_of_checkpoints_and_state_dicts():

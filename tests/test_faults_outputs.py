@@ -185,6 +185,24 @@ def test_export_to_a_folder_is_one_line(weights, tmp_path, capsys):
     assert leftovers(tmp_path) == ["m.pt"]
 
 
+@pytest.mark.parametrize("tool,args", [
+    ("export", ["--config", str(TINY_CPU), "--weights", "w.pth", "--format", "torchscript", "--output"]),
+    ("summary", ["--config", str(TINY_CPU), "--json"]),
+    ("benchmark", ["--config", str(TINY_CPU), "--task", "static-check", "--json"]),
+])
+def test_an_output_file_named_as_a_folder_is_a_usage_error(tool, args, tmp_path, capsys):
+    """``--json out/`` (a folder that does not exist yet) wrote a file named ``out``; an
+    empty name wrote nothing. Both are usage errors before any work."""
+    for name, words in ((f"{tmp_path / 'new'}/", f"'{tmp_path / 'new'}/' ends with '/', so it names a folder: name "
+                                                  f"the file to write (e.g. {tmp_path / 'new'}/result.json)"),
+                        ("", "is empty: name the file to write")):
+        with pytest.raises(SystemExit) as info:
+            load_tool(tool).main([*args, name])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.strip().splitlines()[-1].endswith(f"{args[-1]}: {words}"), err
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------- tools/benchmark.py --json
 
 

@@ -143,6 +143,9 @@ def _voc_overrides(root: Path, out: Path) -> list:
         (["roi_heads.box_coder_weights=[10,10,5]"], "roi_heads.box_coder_weights"),
         (["model.anchors.aspect_ratios=[1e12]"], "model.anchors.aspect_ratios"),
         (["model.anchors.aspect_ratios=[1e-30]"], "model.anchors.aspect_ratios"),
+        # levels of other anchor counts: the model's words, without the key, after the data set was built
+        (["model.anchors.sizes=[[32,64],[64],[128],[256],[512]]"], "model.anchors.sizes"),
+        (["model.anchors.sizes=[[],[64],[128],[256],[512]]"], "model.anchors.sizes"),
         (["model.norm=bn", "model.norm_eps=0"], "model.norm_eps"),
         (["model.norm_eps=-1"], "model.norm_eps"),
         (["model.fpn_channels=65536"], "model.fpn_channels"),

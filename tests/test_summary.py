@@ -88,7 +88,7 @@ def test_tool_writes_json(tmp_path, capsys):
     assert "backbone.body" in capsys.readouterr().out
     # Sizes outside 1..8192 (as the input.* sizes; 9000x9000 ran for minutes) and an empty --json: usage errors.
     for args, words in ((["--image-size", "0", "96"], "--image-size takes two sides in 1..8192 pixels"),
-                        (["--image-size", "9000", "9000"], "got 9000 9000"), (["--json="], "--json is empty")):
+                        (["--image-size", "9000", "9000"], "got 9000 9000"), (["--json="], "argument --json: is empty: name the file to write")):
         with pytest.raises(SystemExit) as info:
             tool.main(["--config", str(TINY_CONFIG), *args])
         err = capsys.readouterr().err

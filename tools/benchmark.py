@@ -28,7 +28,7 @@ from _bootstrap import ROOT  # first: environment and sys.path, see tools/_boots
 from benchmarks import TASKS, format_summary, run_benchmark  # noqa: E402
 from benchmarks.scaling import ScalingSweep  # noqa: E402
 from benchmarks.static_check import format_static_check, static_check  # noqa: E402
-from detector.cli import run_tool, user_path  # noqa: E402
+from detector.cli import output_file, run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.files import write_text  # noqa: E402
 
@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--node-ranks", type=int, default=0,
                    help="data, with --records-file: N ranks on this machine each parsing it, against one parse "
                         "shared through a memory-mapped record file (data.cache_dir); default 0: not run")
-    p.add_argument("--json", type=user_path, dest="json_out", help="write the full result here")
+    p.add_argument("--json", type=output_file, dest="json_out", help="write the full result here")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = p.parse_args(argv)
     if args.config is None:

@@ -131,6 +131,7 @@ def analyse(args: argparse.Namespace, gt, results, score_thresh: float, image_di
 def run_model(args: argparse.Namespace) -> int:
     """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
     from detector.data import build_dataset, check_trained_classes, resolve_num_classes
+    from detector.modeling.trained_config import warn_other_settings
     from detector.modeling.weights import load_model_weights
     from detector.distributed import cleanup, init_distributed, report_lost_rank
     from detector.engine.log import setup_logging
@@ -149,6 +150,7 @@ def run_model(args: argparse.Namespace) -> int:
         model = build_model(cfg)
         report = load_model_weights(model, args.weights, use_ema=cfg.eval.use_ema and cfg.train.ema.enabled)
         check_trained_classes(cfg, report.trained_classes, dataset.class_names, args.weights)
+        warn_other_settings(report.trained_settings, cfg, args.weights)
         model.to(info.device)
         evaluate(model, dataset, cfg, output_dir=args.output_dir)
         if info.rank == 0 and args.output_dir:

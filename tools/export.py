@@ -37,12 +37,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.tasks import benchmark_exported  # noqa: E402
-from detector.cli import run_tool, user_path  # noqa: E402
+from detector.cli import output_file, run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.config.schema import MAX_IMAGE_SIDE  # noqa: E402
 from detector.data import check_trained_classes, class_names_for  # noqa: E402
 from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
+from detector.modeling.trained_config import warn_other_settings  # noqa: E402
 from detector.modeling.weights import load_weights  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.export import (  # noqa: E402
@@ -65,7 +66,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="YAML config of the model (e.g. the run's config.yaml)")
     p.add_argument("--weights", type=user_path, required=True, help="checkpoint or state dict")
     p.add_argument("--format", required=True, choices=FORMATS, help="torchscript or onnx")
-    p.add_argument("--output", type=user_path, required=True, help="file to write (or to check with --verify-only)")
+    p.add_argument("--output", type=output_file, required=True, help="file to write (or to check with --verify-only)")
     p.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
                    help="test image size (default: input.min_size_test x input.max_size_test)")
     p.add_argument("--image", type=user_path, help="an image file to test on instead of a generated scene")
@@ -135,6 +136,7 @@ def export(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
     model = build_model(cfg)
     report = load_weights(model, args.weights, strict=True)
+    warn_other_settings(report.trained_settings, cfg, args.weights)
     model.eval()
     images = test_images(tuple(args.image_size or default_image_size(cfg)), args.image)
     output = Path(args.output)

@@ -52,6 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def infer(args: argparse.Namespace) -> int:
     """Detect on every image of --input; write the drawings and detections.json."""
     from detector.data.transforms import build_transforms
+    from detector.modeling.trained_config import warn_other_settings
     from detector.modeling.weights import load_model_weights
     from detector.distributed import resolve_device
     from detector.evaluation import list_images, predict_files, write_json
@@ -65,6 +66,7 @@ def infer(args: argparse.Namespace) -> int:
     report = load_model_weights(model, args.weights)
     class_names = class_names_for(cfg)
     check_trained_classes(cfg, report.trained_classes, class_names, args.weights)
+    warn_other_settings(report.trained_settings, cfg, args.weights)
     model.to(device).eval()
     records, skipped = predict_files(
         model,

@@ -24,7 +24,7 @@ import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bo
 
 import torch  # noqa: E402
 
-from detector.cli import run_tool, user_path  # noqa: E402
+from detector.cli import output_file, run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.config.schema import MAX_IMAGE_SIDE  # noqa: E402
 from detector.files import write_text  # noqa: E402
@@ -37,14 +37,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--config", type=user_path, required=True, help="YAML config of the model")
     p.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
                    help="image size for the FLOPs (default: input.min_size_test x input.max_size_test)")
-    p.add_argument("--json", type=user_path, help="also write the summary to this JSON file")
+    p.add_argument("--json", type=output_file, help="also write the summary to this JSON file")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = p.parse_args(argv)
     if args.image_size and not all(1 <= side <= MAX_IMAGE_SIDE for side in args.image_size):
         p.error(f"--image-size takes two sides in 1..{MAX_IMAGE_SIDE} pixels (as the input.* sizes), got "
                 f"{args.image_size[0]} {args.image_size[1]}")
-    if args.json is not None and not args.json.strip():
-        p.error("--json is empty: name the file to write")
     return args
 
 

@@ -278,6 +278,10 @@ def _check_model_keys(cfg: Config) -> None:
         flat = [v for level in values for v in level] if key.endswith("sizes") else list(values)
         if not flat or any(v <= 0 for v in flat):
             raise ConfigError(f"config key '{key}' needs positive values, got {values}")
+    per_level = {len(level) for level in model.anchors.sizes}
+    if len(per_level) > 1 or 0 in per_level:  # the RPN head predicts one count of anchors at every location
+        raise ConfigError(f"config key 'model.anchors.sizes' needs the same number of sizes (>= 1) at every level: "
+                          f"the RPN head shares its convolutions across levels; got {model.anchors.sizes}")
     if any(not 1e-3 <= r <= 1e3 for r in model.anchors.aspect_ratios):  # 1e12: anchors of NaN size
         raise ConfigError(f"config key 'model.anchors.aspect_ratios' takes height / width ratios in 0.001..1000, "
                           f"got {model.anchors.aspect_ratios}")

@@ -33,7 +33,8 @@ import torch
 from detector.config import Config, ConfigError, config_from_dict, config_to_dict
 from detector.data.classes import first_other_label
 from detector.messages import DetectorError, first_line
-from detector.modeling.weights import nonfinite_names, trained_class_names
+from detector.modeling.trained_config import trained_class_names
+from detector.modeling.weights import nonfinite_names
 
 logger = logging.getLogger(__name__)
 

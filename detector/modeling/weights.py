@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torchvision.models import get_weight
 
 from detector.messages import DetectorError, first_line
+from detector.modeling.trained_config import trained_class_names, trained_settings
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class LoadReport:
         notes: human-readable remarks.
         trained_classes: a training checkpoint's class names, label 1..K (its stored
             config's ``data.class_names`` with contiguous labels; empty otherwise).
+        trained_settings: a training checkpoint's decoding settings (its stored config's
+            ``trained_config.TRAINED_KEYS``; empty for a state dict).
     """
 
     loaded: List[str] = field(default_factory=list)
@@ -84,6 +87,7 @@ class LoadReport:
     skipped: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     trained_classes: List[str] = field(default_factory=list)
+    trained_settings: Dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line: counts, then the notes."""
@@ -178,18 +182,6 @@ def state_dict_from(data: Mapping[str, Any], where: str) -> Dict[str, Tensor]:
     return dict(data)
 
 
-def trained_class_names(data: Mapping[str, Any]) -> List[str]:
-    """The class names, label 1..K, of the run that wrote the training checkpoint
-    ``data``: its stored config's ``data.class_names`` where its labels are contiguous
-    (training writes them there, ``detector.data.classes``); empty for a state dict, an
-    older checkpoint or ``category_id`` labels."""
-    section = data.get("config", {}).get("data", {}) if isinstance(data.get("config"), Mapping) else {}
-    names = section.get("class_names") if isinstance(section, Mapping) else None
-    if section.get("label_space", "contiguous") != "contiguous" or not isinstance(names, list):
-        return []
-    return [str(n) for n in names]
-
-
 # --------------------------------------------------------------------------- loading into a model
 
 
@@ -281,6 +273,7 @@ def load_weights(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, 
     model.load_state_dict(to_load, strict=False)
     report.loaded = sorted(to_load)
     report.trained_classes = trained_class_names(data)
+    report.trained_settings = trained_settings(data)
     logger.info("weights loaded from %s: %s", where, report.summary())
     return report
 
@@ -368,6 +361,7 @@ def load_model_weights(model: nn.Module, source: str, key: str = "--weights", us
                                "train.ema.enabled); set eval.use_ema=false to evaluate its raw weights")
         report = load_weights(model, data["ema"]["model"], strict=True, name=f"{source} (EMA)")
         report.trained_classes = trained_class_names(data)
+        report.trained_settings = trained_settings(data)
         return report
     found = _weights_source(source, key=key, instead="pass the downloaded file")
     if found is None:  # neither a file nor a name: the file loader says the file is missing
