@@ -130,6 +130,8 @@ def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread and getattr(signal.getsignal(signal.SIGINT), "during_imports", False):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # tools/_bootstrap.py's, while the tool imported
+    if main_thread and getattr(signal.getsignal(signal.SIGTERM), "during_imports", False):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # likewise; the default (below) where several ranks run
     previous = None
     if main_thread and not one_of_several_ranks():
         previous = signal.signal(signal.SIGTERM, on_sigterm)

@@ -16,6 +16,9 @@
   line, ``error: interrupted``, and exits with 130 instead of a ``KeyboardInterrupt``
   traceback through the imports; ``run_tool`` puts Python's own handler back before the
   tool's work (where a SIGINT that was ignored, as for a background job, stays ignored).
+  SIGTERM then likewise prints ``error: stopped by SIGTERM while starting; nothing was
+  written`` and exits with 143 (it ended the process without a word), except in one of
+  several ranks (``WORLD_SIZE`` > 1), where SIGTERM keeps its default as in ``run_tool``.
 
 Both variables are ``setdefault``: a value in the environment wins. The library itself
 writes no environment variable (tests/test_no_network_at_import.py).
@@ -37,14 +40,20 @@ if str(ROOT) not in sys.path:
 
 
 def _interrupted_while_importing(signum: int, frame: object) -> None:
-    sys.stderr.write("error: interrupted\n")
+    if signum == signal.SIGTERM:
+        sys.stderr.write("error: stopped by SIGTERM while starting; nothing was written\n")
+    else:
+        sys.stderr.write("error: interrupted\n")
     sys.stderr.flush()
-    os._exit(130)  # nothing is written yet: no file to finish
+    os._exit(128 + signum)  # nothing is written yet: no file to finish (130: SIGINT, 143: SIGTERM)
 
 
 _interrupted_while_importing.during_imports = True  # type: ignore[attr-defined]  (run_tool replaces it)
 # Only for a tool run as a program (not when a test or a notebook imports one), and not
-# where SIGINT is ignored or handled by someone else.
+# where the signal is ignored or handled by someone else.
 _as_program = Path(sys.argv[0] if sys.argv else "").resolve().parent == Path(__file__).resolve().parent
 if _as_program and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _interrupted_while_importing)
+_world = os.environ.get("WORLD_SIZE", "").strip()
+if _as_program and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and not (_world.isdigit() and int(_world) > 1):
+    signal.signal(signal.SIGTERM, _interrupted_while_importing)
