@@ -22,6 +22,7 @@ from detector.data.dataset import DataWarning
 from detector.engine.hooks import EvalHook
 from detector.engine.log import EventWriters
 from detector.engine.train_loop import LoopState
+from detector.evaluation.inference import read_rgb
 from detector.evaluation import score_detections
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
 from test_hooks import Params, make_checkpointer, result, run_steps
@@ -129,6 +130,40 @@ def test_exif_rotated_square_image_is_warned_in_the_checker_and_the_data_set(tmp
     assert str(img_dir / "0.png") in str(caught[0].message) and "EXIF orientation 6" in str(caught[0].message)
     with Image.open(img_dir / "0.png") as img:
         np.testing.assert_array_equal(image, np.asarray(img.convert("RGB")))  # as stored
+
+
+@pytest.mark.parametrize("suffix", ["gif", "tiff"])
+def test_a_file_of_several_frames_is_said_in_the_checker_the_data_set_and_inference(tmp_path, suffix, caplog):
+    """An animated GIF or a multi-page TIFF was read as its first frame without a word."""
+    box = [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [2, 2, 20, 10], "area": 200, "iscrowd": 0}]
+    img_dir, ann_file = coco_set(tmp_path, box, sizes=((48, 40),))
+    frames = [Image.fromarray(np.full((40, 48, 3), v, dtype=np.uint8)) for v in (10, 200, 90)]
+    path = img_dir / f"0.{suffix}"
+    frames[0].save(path, save_all=True, append_images=frames[1:])
+    ann = json.loads(ann_file.read_text())
+    ann["images"][0]["file_name"] = path.name
+    ann_file.write_text(json.dumps(ann))
+    cfg = coco_cfg(img_dir, ann_file)
+    report = check_dataset(cfg, "train")
+    assert report.ok and report.multi_frame == [f"{path} (3 frames)"]
+    assert "image files of several frames (animations, multi-page files), of which the first is read: 1" in \
+        format_report(report)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        image = build_dataset(cfg, "train", is_train=False).load_image(0)
+    said = f"image file {path} holds 3 frames (an animation or a multi-page file); only the first is read"
+    assert [str(w.message) for w in caught] == [said]
+    assert int(image[0, 0, 0]) == 10  # the first frame
+    with caplog.at_level(logging.WARNING, logger="detector.evaluation"):
+        read_rgb(path)
+    assert [r.getMessage() for r in caplog.records] == [said]
+    single = img_dir / f"single.{suffix}"
+    frames[0].save(single)
+    check = check_dataset(cfg, "train")  # (unchanged) and a one-frame file: nothing said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="detector.evaluation"):
+        read_rgb(single)
+    assert caplog.records == [] and len(check.multi_frame) == 1
 
 
 def test_apply_exif_turns_images_as_displayed_and_checks_the_displayed_size(tmp_path):

@@ -51,6 +51,7 @@ class CheckReport:
     non_integer_boxes: int = 0  # VOC boxes with fractional coordinates: accepted, reported
     non_integer_examples: List[str] = field(default_factory=list)
     exif_rotated: List[str] = field(default_factory=list)  # EXIF orientation 2..8, read as stored (warning)
+    multi_frame: List[str] = field(default_factory=list)  # animations, multi-page files: the first frame read (warning)
     apply_exif: bool = False
     classes_from: str = ""  # --split val: whose class names label the boxes (the training set's, as in training)
     other_classes: Dict[str, int] = field(default_factory=dict)  # boxes outside data.class_names, dropped
@@ -148,7 +149,7 @@ def _check_image_file(report: CheckReport, r: ImageRecord, decode: bool, apply_e
             report.errors.append(f"image file {r.path} (image_id {r.image_id}) {missing_file_state(r.path)}")
         return
     try:
-        image, orientation = decode_image(r.path, r.image_id, apply_exif)
+        image, orientation, frames = decode_image(r.path, r.image_id, apply_exif)
     except FileNotFoundError as exc:
         report.missing_files.append(r.path)
         report.errors.append(str(exc))
@@ -159,6 +160,8 @@ def _check_image_file(report: CheckReport, r: ImageRecord, decode: bool, apply_e
         return
     if orientation not in (0, 1):
         report.exif_rotated.append(f"{r.path} (orientation {orientation})")
+    if frames > 1:
+        report.multi_frame.append(f"{r.path} ({frames} frames)")
     if image.shape[:2] != (r.height, r.width):
         report.errors.append(f"image file {r.path} (image_id {r.image_id}) is {image.shape[1]}x{image.shape[0]} "
                              f"but its annotation says {r.width}x{r.height}")
@@ -246,6 +249,10 @@ def format_report(report: CheckReport) -> str:
                "if they were")
         lines.append(f"images with an EXIF orientation: {len(report.exif_rotated)}, {how}")
         lines += [f"  {m}" for m in report.exif_rotated[:3]]
+    if report.multi_frame:
+        lines.append(f"WARNING: image files of several frames (animations, multi-page files), of which the first is "
+                     f"read: {len(report.multi_frame)}")
+        lines += [f"  {m}" for m in report.multi_frame[:3]]
     lines.append(f"missing image files: {len(report.missing_files)}   unreadable image files: {len(report.unreadable_files)}")
     if report.errors:
         lines.append(f"ERRORS: {len(report.errors)}")

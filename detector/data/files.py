@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -114,12 +114,22 @@ def load_image(path: str, image_id: Optional[int] = None) -> np.ndarray:
         DataError: the file cannot be decoded (truncated or corrupt), or its pixel type
             has no defined 8-bit scale.
     """
-    return decode_image(path, image_id)[0]
+    return decode_image(path, image_id).array
 
 
-def decode_image(path: str, image_id: Optional[int] = None, apply_exif: bool = False) -> Tuple[np.ndarray, int]:
-    """``(uint8 RGB [H, W, 3], EXIF orientation)`` of an image file (orientation 1 or 0:
-    stored as displayed; 2..8: a camera's rotation or mirror, shown turned by viewers).
+class DecodedImage(NamedTuple):
+    """What ``decode_image`` read: ``array`` uint8 RGB ``[H, W, 3]``; ``orientation`` the
+    EXIF orientation (1 or 0: stored as displayed; 2..8: a camera's rotation or mirror,
+    shown turned by viewers); ``frames`` the file's frame count (above 1: an animation or
+    a multi-page file, of which ``array`` is the first frame)."""
+
+    array: np.ndarray
+    orientation: int
+    frames: int
+
+
+def decode_image(path: str, image_id: Optional[int] = None, apply_exif: bool = False) -> DecodedImage:
+    """The ``DecodedImage`` of an image file.
 
     ``apply_exif`` (``data.apply_exif``): turn the pixels as a viewer shows them
     (``PIL.ImageOps.exif_transpose``), for boxes annotated on the displayed image; the
@@ -139,6 +149,7 @@ def decode_image(path: str, image_id: Optional[int] = None, apply_exif: bool = F
             if apply_exif and orientation not in (0, 1):
                 img = ImageOps.exif_transpose(img)
             array = to_rgb8(img, what)
+            frames = int(getattr(img, "n_frames", 1) or 1)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} not found") from None
     except DataError:
@@ -146,7 +157,7 @@ def decode_image(path: str, image_id: Optional[int] = None, apply_exif: bool = F
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         reason = first_line(exc)
         raise DataError(f"cannot decode {what}: {reason}") from None
-    return array, orientation
+    return DecodedImage(array, orientation, frames)
 
 
 def exif_orientation(img: Image.Image) -> int:
@@ -164,6 +175,12 @@ def exif_warning(path: str, orientation: int) -> str:
             "so its boxes must refer to the stored pixels: set data.apply_exif=true if they were drawn on the "
             "displayed image")
 
+
+
+def frames_warning(path: str, frames: int) -> str:
+    """The warning for a file of several frames (an animated GIF, WebP or PNG, a
+    multi-page TIFF), of which the first is read."""
+    return f"image file {path} holds {frames} frames (an animation or a multi-page file); only the first is read"
 
 
 def path_within(root: str, name: str) -> Optional[str]:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from tqdm import tqdm
 
-from detector.data.files import DataError, decode_image, exif_warning
+from detector.data.files import DataError, decode_image, exif_warning, frames_warning
 from detector.files import atomic_write, output_folder
 
 from .input_files import output_paths
@@ -268,9 +268,11 @@ def read_rgb(path: str | Path, apply_exif: bool = False) -> np.ndarray:
         FileNotFoundError: no such file.
         DataError: the file is unreadable or its pixel type has no 8-bit scale (named).
     """
-    image, orientation = decode_image(str(path), apply_exif=apply_exif)
+    image, orientation, frames = decode_image(str(path), apply_exif=apply_exif)
     if orientation not in (0, 1) and not apply_exif:
         logger.warning("%s", exif_warning(str(path), orientation))
+    if frames > 1:
+        logger.warning("%s", frames_warning(str(path), frames))
     return image
 
 
