@@ -51,14 +51,19 @@ def user_path(text: str) -> str:
 
 def output_file(text: str) -> str:
     """``argparse`` type of a file a tool writes (``--json``, ``export.py --output``): as
-    ``user_path``, refusing an empty name and one that ends with a path separator (a
-    folder: ``pathlib`` drops the separator, and a file named as the folder was written)."""
+    ``user_path``, refusing an empty name, one that ends with a path separator (a folder:
+    ``pathlib`` drops the separator, and a file named as the folder was written) and an
+    existing folder (found after the work otherwise)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: name the file to write")
     if text.endswith(tuple(sep for sep in ("/", os.sep, os.altsep) if sep)):
         raise argparse.ArgumentTypeError(f"{text!r} ends with {text[-1]!r}, so it names a folder: name the file to "
                                          f"write (e.g. {text}result.json)")
-    return user_path(text)
+    path = user_path(text)
+    if os.path.isdir(path):  # known before the work, not after it (a benchmark's minutes)
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder: name the file to write (e.g. "
+                                         f"{os.path.join(text, 'result.json')})")
+    return path
 
 
 OUT_OF_MEMORY_ADVICE = "use smaller batches or images (solver.images_per_gpu, eval.images_per_gpu, the input.* sizes)"

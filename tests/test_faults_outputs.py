@@ -176,12 +176,14 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_no_file(full_disk, weights
     assert leftovers(full_disk) == []  # no 0-byte m.pt, no temporary file
 
 
-def test_export_to_a_folder_is_one_line(weights, tmp_path, capsys):
+def test_export_to_a_folder_is_a_usage_error_before_the_export(weights, tmp_path, capsys):
     (tmp_path / "m.pt").mkdir()
-    rc, out = export(weights, tmp_path / "m.pt", capsys)
-    assert rc == 1
-    msg = one_line(out.err)
-    assert msg == f"error: cannot write {tmp_path / 'm.pt'}: it is a folder; name a file"
+    with pytest.raises(SystemExit) as info:
+        export(weights, tmp_path / "m.pt", capsys)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert err.strip().splitlines()[-1].endswith(f"argument --output: '{tmp_path / 'm.pt'}' is a folder: name the "
+                                                 f"file to write (e.g. {tmp_path / 'm.pt' / 'result.json'})"), err
     assert leftovers(tmp_path) == ["m.pt"]
 
 
