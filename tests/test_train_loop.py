@@ -63,12 +63,14 @@ class Record(HookBase):
         self.seen.append((state.iteration, state.epoch, state.epoch_position))
 
 
-def make(state: LoopState):
+def make(state: LoopState, hooks=None):
+    """``(trainer, model, hook)``: plain SGD on ``Scale`` over ``Loader(2)``, with a
+    ``Record`` hook or, given, ``hooks`` (then ``hook`` is None)."""
     model = Scale()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0))
-    hook = Record()
-    return Trainer(model, Loader(2), step, [hook], state, data_seed=7), model, hook
+    hook = Record() if hooks is None else None
+    return Trainer(model, Loader(2), step, [hook] if hooks is None else list(hooks), state, data_seed=7), model, hook
 
 
 @pytest.mark.parametrize("start, values", [
@@ -140,10 +142,7 @@ def test_a_hook_failing_at_the_end_fails_the_run_for_every_hook():
     which the other hooks never heard of it: no "stopped" record in metrics.jsonl, the
     signal handlers of the hooks after it left in place."""
     before, failing, after = Ends(), Ends(fail=True), Ends()
-    model = Scale()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = TrainStep(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0))
-    trainer = Trainer(model, Loader(2), step, [before, failing, after], LoopState(max_iter=2))
+    trainer, _, _ = make(LoopState(max_iter=2), hooks=[before, failing, after])
     with pytest.raises(RuntimeError, match="final evaluation failed"):
         trainer.train()
     assert (trainer.state.status, trainer.state.error) == ("failed", "final evaluation failed")

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .files import DataError, decode_image, exif_warning, frames_warning
+from .files import DataError, decode_image, decoded_warnings
 from .records import ImageRecord, RecordStore
 from .samplers import SampleKey
 
@@ -306,11 +306,10 @@ class DetectionDataset(torch.utils.data.Dataset):
     def load_image(self, idx: int) -> np.ndarray:
         """The decoded file of item ``idx``, uint8 ``[H, W, 3]`` RGB, checked against the metadata size."""
         r = self.records[idx]
-        image, orientation, frames = decode_image(r.path, r.image_id, self.apply_exif)
-        if orientation not in (0, 1) and not self.apply_exif:
-            warnings.warn(exif_warning(r.path, orientation), DataWarning, stacklevel=2)  # once per file and process
-        if frames > 1:
-            warnings.warn(frames_warning(r.path, frames), DataWarning, stacklevel=2)
+        decoded = decode_image(r.path, r.image_id, self.apply_exif)
+        for message in decoded_warnings(r.path, decoded, self.apply_exif):
+            warnings.warn(message, DataWarning, stacklevel=2)  # once per file and process
+        image = decoded.array
         h, w = image.shape[:2]
         if (h, w) != (r.height, r.width):
             raise DataError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -181,6 +181,18 @@ def frames_warning(path: str, frames: int) -> str:
     """The warning for a file of several frames (an animated GIF, WebP or PNG, a
     multi-page TIFF), of which the first is read."""
     return f"image file {path} holds {frames} frames (an animation or a multi-page file); only the first is read"
+
+
+def decoded_warnings(path: str, decoded: DecodedImage, apply_exif: bool) -> List[str]:
+    """What to say of the file ``path`` read as ``decoded`` (``decode_image`` with
+    ``apply_exif``): an EXIF rotation read as stored (``exif_warning``), frames after the
+    first left unread (``frames_warning``)."""
+    said = []
+    if decoded.orientation not in (0, 1) and not apply_exif:
+        said.append(exif_warning(path, decoded.orientation))
+    if decoded.frames > 1:
+        said.append(frames_warning(path, decoded.frames))
+    return said
 
 
 def path_within(root: str, name: str) -> Optional[str]:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from tqdm import tqdm
 
-from detector.data.files import DataError, decode_image, exif_warning, frames_warning
+from detector.data.files import DataError, decode_image, decoded_warnings
 from detector.files import atomic_write, output_folder
 
 from .input_files import output_paths
@@ -261,19 +261,17 @@ def compute_val_loss(
 def read_rgb(path: str | Path, apply_exif: bool = False) -> np.ndarray:
     """uint8 [H, W, 3] RGB, read as the data sets read their images
     (``detector.data.files.decode_image``: any bit depth scaled as ``to_rgb8`` does; an
-    EXIF orientation applied when ``apply_exif``, ``data.apply_exif``, else read as stored
-    with the data sets' warning naming the file).
+    EXIF orientation applied when ``apply_exif``, ``data.apply_exif``, else read as stored;
+    the data sets' warnings naming the file: ``detector.data.files.decoded_warnings``).
 
     Raises:
         FileNotFoundError: no such file.
         DataError: the file is unreadable or its pixel type has no 8-bit scale (named).
     """
-    image, orientation, frames = decode_image(str(path), apply_exif=apply_exif)
-    if orientation not in (0, 1) and not apply_exif:
-        logger.warning("%s", exif_warning(str(path), orientation))
-    if frames > 1:
-        logger.warning("%s", frames_warning(str(path), frames))
-    return image
+    decoded = decode_image(str(path), apply_exif=apply_exif)
+    for message in decoded_warnings(str(path), decoded, apply_exif):
+        logger.warning("%s", message)
+    return decoded.array
 
 
 @torch.inference_mode()

@@ -58,7 +58,7 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, (int, float)):
         return float(value)
-    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and not isinstance(value, (str, Mapping))):
+    if hasattr(value, "__iter__") and not isinstance(value, (str, Mapping)):  # lists, tuples, ListConfig
         return [_plain(v) for v in value]
     return value
 

@@ -272,9 +272,16 @@ def load_weights(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, 
 
     model.load_state_dict(to_load, strict=False)
     report.loaded = sorted(to_load)
+    _note_training_run(report, data)
+    logger.info("weights loaded from %s: %s", where, report.summary())
+    return report
+
+
+def _note_training_run(report: LoadReport, data: Mapping[str, Any]) -> LoadReport:
+    """``report`` with what the stored config of the training checkpoint ``data`` says
+    (``trained_classes``, ``trained_settings``; empty for a state dict)."""
     report.trained_classes = trained_class_names(data)
     report.trained_settings = trained_settings(data)
-    logger.info("weights loaded from %s: %s", where, report.summary())
     return report
 
 
@@ -360,9 +367,7 @@ def load_model_weights(model: nn.Module, source: str, key: str = "--weights", us
             raise WeightsError(f"{key} {source}: holds no EMA weights (a checkpoint of a run with "
                                "train.ema.enabled); set eval.use_ema=false to evaluate its raw weights")
         report = load_weights(model, data["ema"]["model"], strict=True, name=f"{source} (EMA)")
-        report.trained_classes = trained_class_names(data)
-        report.trained_settings = trained_settings(data)
-        return report
+        return _note_training_run(report, data)  # (the EMA entry holds no config)
     found = _weights_source(source, key=key, instead="pass the downloaded file")
     if found is None:  # neither a file nor a name: the file loader says the file is missing
         return load_weights(model, source, strict=True)
