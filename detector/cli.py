@@ -28,7 +28,7 @@ import re
 import signal
 import sys
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from detector.messages import DetectorError, first_line
 
@@ -101,11 +101,10 @@ class Terminated(BaseException):
     ``finally`` runs: a file being written is left out, not half written."""
 
 
-def one_of_several_ranks() -> bool:
+def one_of_several_ranks(env: Mapping[str, str] = os.environ) -> bool:
     """True in a process that a launcher started as one of several ranks (torchrun's
     ``WORLD_SIZE``, or SLURM's ``SLURM_PROCID`` with ``SLURM_NTASKS``, as
-    ``detector.distributed`` reads them)."""
-    env = os.environ
+    ``detector.distributed`` reads them) according to the environment ``env``."""
     world = env.get("WORLD_SIZE") or (env.get("SLURM_NTASKS") if "SLURM_PROCID" in env else None) or "1"
     return world.strip().isdigit() and int(world) > 1
 

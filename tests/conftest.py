@@ -28,6 +28,17 @@ TINY_CONFIG = ROOT / "tests" / "configs" / "tiny.yaml"
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _subprocess_temp_folder(tmp_path_factory):
+    """``TMPDIR`` for every subprocess a test starts: a folder of this session's pytest
+    temporary folder, which pytest removes in later sessions. torchrun's agents
+    (``torchelastic_*``) and multiprocessing's killed workers (``pymp-*``) left a folder in
+    ``/tmp`` for each multi-process test, hundreds a ``make test``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("subprocess_tmp")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _detach_log_handlers():
     """After each test, the console and file handlers ``setup_logging`` attached (a tool

@@ -308,6 +308,20 @@ def test_trained_class_names_of_checkpoints_and_state_dicts():
     assert trained_class_names({"weight": object()}) == []
 
 
+@pytest.mark.parametrize("stored", [
+    [1, 2], "a string", None, {"data": "voc"}, {"data": ["a", "b"]}, {"data": None},
+    {"data": {"class_names": "ab"}}, {"data": {"class_names": ["a"], "label_space": ["contiguous"]}},
+    {"model": [1], "roi_heads": "x"}, {"model": {"anchors": None}}, {"model": {"anchors": {"sizes": 3}}},
+])
+def test_a_crafted_stored_config_reads_as_no_record(stored):
+    """A checkpoint whose stored config has another shape than training writes (crafted, or
+    damaged by hand) tells nothing: no class names and no settings, never a traceback."""
+    data = {"model": {}, "config": stored}
+    assert trained_class_names(data) == []
+    settings = trained_settings(data)
+    assert all(key in ("model.anchors.sizes",) for key in settings), settings  # only a stored value is kept
+
+
 class KeptRecords(logging.Handler):
     """The messages of the records it handles."""
 

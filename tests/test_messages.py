@@ -181,3 +181,46 @@ def test_ctrl_c_while_a_tool_imports_is_one_line(tmp_path):
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == status and err.strip() == line, (proc.returncode, err[-2000:])
+
+
+@pytest.mark.parametrize("env", [
+    {}, {"WORLD_SIZE": "1"}, {"WORLD_SIZE": "2"}, {"WORLD_SIZE": " 8 "}, {"WORLD_SIZE": "x"},
+    {"SLURM_NTASKS": "4"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, {"SLURM_PROCID": "3", "SLURM_NTASKS": "4"},
+    {"WORLD_SIZE": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, {"WORLD_SIZE": "", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
+])
+def test_bootstrap_and_run_tool_agree_on_several_ranks(env):
+    """tools/_bootstrap.py (before any import of the project) and run_tool decide alike
+    whether a process is one of several ranks, under torchrun and under srun."""
+    import importlib.util
+
+    from conftest import ROOT
+    from detector.cli import one_of_several_ranks
+
+    spec = importlib.util.spec_from_file_location("bootstrap_rule", ROOT / "tools" / "_bootstrap.py")
+    bootstrap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bootstrap)  # not run as a program: it sets no handler
+    assert bootstrap.one_of_several_ranks(env) == one_of_several_ranks(env)
+    expected = env.get("WORLD_SIZE", "").strip() not in ("", "1", "x") or (
+        not env.get("WORLD_SIZE") and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env)
+    assert one_of_several_ranks(env) == expected
+
+
+def test_sigterm_while_a_rank_of_srun_imports_keeps_its_default(tmp_path):
+    """Under srun (SLURM_PROCID, SLURM_NTASKS > 1) as under torchrun, SIGTERM during the
+    imports keeps its default: the launcher's SIGTERM to survivors prints nothing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env.update(SLURM_PROCID="1", SLURM_NTASKS="2")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "summary.py"), "--config", "configs/tiny_cpu.yaml"],
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    time.sleep(0.5)  # _bootstrap has run; torch is still importing
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and err == "", (proc.returncode, err[-2000:])

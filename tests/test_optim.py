@@ -125,6 +125,25 @@ def test_lr_ratios_hold_through_warmup_and_decay(model, schedule):
         assert lr_factor(100, 100, "cosine", final_factor=0.05) == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("warmup,max_iter,warned", [(50, 20, True), (20, 20, True), (19, 20, False), (0, 20, False)])
+def test_a_run_shorter_than_its_warmup_is_said(model, caplog, warmup, max_iter, warned):
+    """solver.warmup_iters >= solver.max_iter: the LR never reaches solver.lr, which a
+    short run's overrides leave unseen; one warning gives the fraction its last step takes."""
+    cfg = _cfg(f"solver.max_iter={max_iter}", f"solver.warmup_iters={warmup}", "solver.steps=[]",
+               "solver.warmup_factor=0.001")
+    opt = build_optimizer(model, cfg)
+    with caplog.at_level(logging.WARNING, logger="detector.engine.optim"):
+        sched = build_lr_scheduler(opt, cfg)
+    said = [r.getMessage() for r in caplog.records if "warmup_iters" in r.getMessage()]
+    assert len(said) == int(warned), said
+    if warned:
+        for _ in range(max_iter - 1):
+            opt.step()
+            sched.step()
+        last = opt.param_groups[0]["lr"] / opt.param_groups[0]["initial_lr"]
+        assert last < 1 and f"its last step takes {last:.3g} of solver.lr" in said[0], (last, said)
+
+
 def test_scheduler_state_resumes(model, tmp_path):
     cfg = _cfg("solver.max_iter=50", "solver.warmup_iters=10", "solver.steps=[30]")
     opt = build_optimizer(model, cfg)

@@ -18,7 +18,8 @@
   tool's work (where a SIGINT that was ignored, as for a background job, stays ignored).
   SIGTERM then likewise prints ``error: stopped by SIGTERM while starting; nothing was
   written`` and exits with 143 (it ended the process without a word), except in one of
-  several ranks (``WORLD_SIZE`` > 1), where SIGTERM keeps its default as in ``run_tool``.
+  several ranks (``WORLD_SIZE`` > 1, or ``SLURM_NTASKS`` > 1 under ``srun``), where SIGTERM
+  keeps its default as in ``run_tool``.
 
 Both variables are ``setdefault``: a value in the environment wins. The library itself
 writes no environment variable (tests/test_no_network_at_import.py).
@@ -54,6 +55,15 @@ _interrupted_while_importing.during_imports = True  # type: ignore[attr-defined]
 _as_program = Path(sys.argv[0] if sys.argv else "").resolve().parent == Path(__file__).resolve().parent
 if _as_program and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _interrupted_while_importing)
-_world = os.environ.get("WORLD_SIZE", "").strip()
-if _as_program and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and not (_world.isdigit() and int(_world) > 1):
+
+
+def one_of_several_ranks(env: "os._Environ[str] | dict[str, str]" = os.environ) -> bool:
+    """``detector.cli.one_of_several_ranks``'s rule (torchrun's ``WORLD_SIZE``, or SLURM's
+    ``SLURM_NTASKS`` with ``SLURM_PROCID``), read here without importing the project:
+    this runs before torch is imported (tests/test_cli.py holds the two rules equal)."""
+    world = env.get("WORLD_SIZE") or (env.get("SLURM_NTASKS") if "SLURM_PROCID" in env else None) or "1"
+    return world.strip().isdigit() and int(world) > 1
+
+
+if _as_program and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and not one_of_several_ranks():
     signal.signal(signal.SIGTERM, _interrupted_while_importing)

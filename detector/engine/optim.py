@@ -193,6 +193,10 @@ class WarmupLRScheduler(torch.optim.lr_scheduler.LRScheduler):
             raise ValueError(f"solver.steps {list(steps)} must be positive iteration numbers; bad: {bad}")
         if any(s >= max_iter for s in steps):
             logger.warning("solver.steps %s: steps at or after solver.max_iter=%d have no effect", list(steps), max_iter)
+        if warmup_iters >= max_iter > 0:
+            reached = warmup_factor + (1.0 - warmup_factor) * (max_iter - 1) / warmup_iters
+            logger.warning("solver.warmup_iters=%d >= solver.max_iter=%d: the whole run is warm-up, its last step "
+                           "takes %.3g of solver.lr; lower solver.warmup_iters", warmup_iters, max_iter, reached)
         self.max_iter = int(max_iter)
         self.schedule = schedule
         self.steps = sorted(int(s) for s in steps)

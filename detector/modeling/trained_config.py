@@ -69,7 +69,9 @@ def trained_class_names(data: Mapping[str, Any]) -> List[str]:
     (training writes them there, ``detector.data.classes``); empty for a state dict, an
     older checkpoint or ``category_id`` labels."""
     section = _stored_config(data).get("data", {})
-    names = section.get("class_names") if isinstance(section, Mapping) else None
+    if not isinstance(section, Mapping):  # a crafted or damaged file: nothing to compare with
+        return []
+    names = section.get("class_names")
     if section.get("label_space", "contiguous") != "contiguous" or not isinstance(names, list):
         return []
     return [str(n) for n in names]
