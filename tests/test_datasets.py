@@ -163,6 +163,26 @@ def test_unknown_category_id_error_names_annotation(tmp_path):
         CocoDetection(*make_coco(tmp_path, annotations=anns))
 
 
+@pytest.mark.parametrize("label_space", ["contiguous", "category_id"])
+@pytest.mark.parametrize("categories,match", [
+    ([{"id": 1, "name": "cat"}, {"id": 2, "name": "cat"}], r"categories 1 and 2 are both named 'cat'"),
+    ([{"id": 1, "name": "cat"}, {"id": 3, "name": "dog"}, {"id": 7, "name": "dog"}], r"categories 3 and 7 are both named 'dog'"),
+    ([{"id": 1, "name": ""}], r"category id 1 has an empty name ''"),
+    ([{"id": 1, "name": "cat"}, {"id": 2, "name": "  "}], r"category id 2 has an empty name '  '"),
+])
+def test_categories_in_use_have_names_of_their_own(tmp_path, categories, match, label_space):
+    """Labels are known by name (results, per-class metrics, the class check of a
+    checkpoint): two categories of one name, or none, are refused, naming the ids."""
+    with pytest.raises(DataError, match=match):
+        CocoDetection(*make_coco(tmp_path, annotations=[], categories=categories), label_space=label_space)
+
+
+def test_a_shared_name_outside_the_class_subset_is_no_error(tmp_path):
+    categories = [{"id": 1, "name": "cat"}, {"id": 2, "name": "dog"}, {"id": 3, "name": "dog"}]
+    ds = CocoDetection(*make_coco(tmp_path, annotations=[], categories=categories), class_names=["cat"])
+    assert ds.class_names == ["cat"]
+
+
 def test_unknown_image_id_error(tmp_path):
     anns = [{"id": 6, "image_id": 99, "category_id": 1, "bbox": [1, 1, 5, 5], "iscrowd": 0}]
     with pytest.raises(DataError, match=r"annotation id 6: image_id 99 is not in 'images'"):

@@ -51,6 +51,28 @@ def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_fi
     return out
 
 
+def _check_names_apart(names_by_id: Dict[Any, str], cat_ids: Sequence[Any], ann_file: str) -> None:
+    """Each category in use (``cat_ids``) has a name of its own: labels are known by
+    their names in results, per-class metrics, drawn pictures and the check that a
+    checkpoint's labels name the classes they did in training (two categories of one name
+    would swap there unseen).
+
+    Raises:
+        DataError: an empty name, or a name two categories in use share.
+    """
+    first: Dict[str, Any] = {}
+    for c in cat_ids:
+        name = names_by_id[c]
+        if not name.strip():
+            raise DataError(f"annotation file {ann_file}: category id {c} has an empty name {name!r}; labels are "
+                            "known by their names (results, per-class metrics, class checks): name it")
+        if name in first:
+            raise DataError(f"annotation file {ann_file}: categories {first[name]} and {c} are both named {name!r}; "
+                            "labels are known by their names (results, per-class metrics, class checks): name them "
+                            "apart in the file")
+        first[name] = c
+
+
 # data.label_space=category_id: the largest id may exceed both bounds, not just one (COCO:
 # 80 ids in use up to 90). Beyond them the id space is sparse (taxonomy or database ids)
 # and the predictor would be mostly unused labels, or too big to build (ids near 2**40).
@@ -77,11 +99,13 @@ def coco_label_map(
       ``unused_<id>`` and are not in ``label_to_category_id`` (nor evaluated).
 
     Raises:
-        DataError: with ``category_id``, a category id in use that is not an integer >= 1,
+        DataError: a category in use without a name of its own (``_check_names_apart``);
+            with ``category_id``, a category id in use that is not an integer >= 1,
             or ids so sparse that the labels would be mostly unused (the largest id above
             both ``MAX_UNUSED_PER_CATEGORY`` times the ids in use and ``MIN_SPARSE_CATEGORY_ID``).
     """
     cat_ids = _coco_subset(names_by_id, class_names, ann_file) if class_names else list(names_by_id)
+    _check_names_apart(names_by_id, cat_ids, ann_file)
     if label_space == "contiguous":
         return [names_by_id[c] for c in cat_ids], {i + 1: int(c) for i, c in enumerate(cat_ids)}, cat_ids
     for c in cat_ids:
