@@ -501,6 +501,28 @@ def test_dict_form_file_names_match_whole_paths_not_only_base_names(case_files, 
     assert len(load_predictions(tmp_path / "r.json", gt).score) == len(dets)
 
 
+def test_dict_form_category_names_two_ground_truth_categories_share_are_refused(case_files, tmp_path):
+    """Ground-truth categories 1 and 2 both named 'x': a results category 'x' was mapped
+    onto the last of them, silently, and its detections scored as that one's. Refused
+    naming both ids; a name of its own still maps."""
+    from detector.evaluation import load_predictions
+
+    d, gt, dets = case_files
+    gt = json.loads(json.dumps(gt))
+    assert len(gt["categories"]) >= 3
+    first, second = gt["categories"][0], gt["categories"][1]
+    second["name"] = first["name"]
+    (tmp_path / "p.json").write_text(json.dumps(_dict_form(gt, dets)))
+    with pytest.raises(ValueError, match=rf"categories\[0\]: name '{first['name']}' is the name of 2 ground-truth "
+                                         rf"categories \(ids {first['id']}, {second['id']}\)"):
+        load_predictions(tmp_path / "p.json", gt)
+    keep = [c["id"] for c in gt["categories"][2:]]
+    only = _dict_form(gt, [x for x in dets if x["category_id"] in keep])
+    only["categories"] = only["categories"][2:]
+    (tmp_path / "q.json").write_text(json.dumps(only))
+    assert len(load_predictions(tmp_path / "q.json", gt).score) == len([x for x in dets if x["category_id"] in keep])
+
+
 def test_an_empty_predictions_file_is_scored_with_a_warning(case_files, tmp_path, caplog):
     """[] scored AP 0, exit 0, without a word (an export that wrote nothing looks like a
     model that finds nothing)."""

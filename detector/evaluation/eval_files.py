@@ -124,9 +124,8 @@ def _dict_form_detections(data: Any, gt: Dict[str, Any], path: str | Path) -> De
     mapped onto ``gt``'s (``_id_map``)."""
     if not isinstance(data, dict) or "annotations" not in data:
         raise ResultsError(f"{path}: expected a list of COCO results or a dict with 'annotations'")
-    gt_categories = {str(c.get("name", c["id"])): c["id"] for c in gt["categories"]}
     image_map = _id_map(data, "images", "file_name", _gt_image_names(gt), path)
-    cat_map = _id_map(data, "categories", "name", gt_categories.get, path)
+    cat_map = _id_map(data, "categories", "name", _gt_category_names(gt), path)
     results = []
     for i, ann in enumerate(data["annotations"]):
         if not isinstance(ann, dict):
@@ -163,6 +162,23 @@ def _gt_image_names(gt: Dict[str, Any]) -> Callable[[str], Any]:
             raise ResultsError(f"file name {name!r} matches {len(found)} ground-truth images by its base name "
                                f"({found[0]!r}, {found[1]!r}): give the file names as the ground truth does")
         return by_name[found[0]] if found else None
+    return lookup
+
+
+def _gt_category_names(gt: Dict[str, Any]) -> Callable[[str], Any]:
+    """A lookup of ``gt``'s category ids by ``name`` (the id as text where it has none).
+    A name two ground-truth categories share is not guessed: ``ResultsError`` naming
+    their ids (the last one was taken, and scored as the other's detections)."""
+    by_name: Dict[str, List[Any]] = {}
+    for c in gt["categories"]:
+        by_name.setdefault(str(c.get("name", c["id"])), []).append(c["id"])
+
+    def lookup(name: str) -> Any:
+        found = by_name.get(name, [])
+        if len(found) > 1:
+            raise ResultsError(f"name {name!r} is the name of {len(found)} ground-truth categories (ids "
+                               f"{', '.join(str(i) for i in found)}): give the category ids as the ground truth does")
+        return found[0] if found else None
     return lookup
 
 
