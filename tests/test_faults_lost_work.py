@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from detector.config import ConfigError
-from detector.data.shapes import ensure_shapes
+from detector.data.shapes import ensure_shapes, settings_tag
 from detector.engine.run_folder import RunFolder, check_run_folder_apart_from_data
 from conftest import TINY_CONFIG, load_tool, signal_train_run, tiny_config, tiny_overrides
 
@@ -51,8 +51,9 @@ def test_regenerating_shapes_deletes_only_what_it_wrote(tmp_path, manifest):
     for path, content in kept.items():
         assert path.read_bytes() == content
     assert len(json.loads((root / "train.json").read_text())["images"]) == 3
-    assert sorted(p.name for p in (root / "train").iterdir()) == ["000001.jpg", "000002.jpg", "000003.jpg", "mine.jpg"]
-    assert sorted(p.name for p in (root / "val").iterdir()) == ["000001.jpg", "000002.jpg"]
+    tag = settings_tag(json.loads((root / "shapes_params.json").read_text()))
+    assert sorted(p.name for p in (root / "train").iterdir()) == [f"{tag}_00000{i}.jpg" for i in (1, 2, 3)] + ["mine.jpg"]
+    assert sorted(p.name for p in (root / "val").iterdir()) == [f"{tag}_00000{i}.jpg" for i in (1, 2)]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".s.tmp")]
 
 

@@ -30,7 +30,10 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
     assert fa == fb  # images too
     assert (a / "train.json").read_bytes() != (c / "train.json").read_bytes()
     assert (a / "val.json").read_bytes() != (c / "val.json").read_bytes()
-    assert fa["train/000001.jpg"] != fc["train/000001.jpg"]
+    first = sorted(name for name in fa if name.startswith("train/"))[0]
+    other = sorted(name for name in fc if name.startswith("train/"))[0]
+    assert first.endswith("_000001.jpg") and other.endswith("_000001.jpg") and first != other  # the tags differ
+    assert fa[first] != fc[other]
 
 
 def test_content_constraints(tmp_path):
@@ -112,6 +115,23 @@ def test_stale_folder_is_regenerated_and_foreign_folder_left_alone(tmp_path, cap
     (foreign / "train.json").write_text(json.dumps({"images": [], "annotations": [], "categories": []}))
     ensure_shapes(foreign, 4, 1)
     assert sorted(p.name for p in foreign.iterdir()) == ["train.json"]
+
+
+def test_a_reader_of_a_regenerated_folder_stops_instead_of_pairing_new_images_with_old_boxes(tmp_path):
+    """Two runs with other data.shapes settings on one folder: the second regenerates it
+    while the first reads it. The first's next image is a file that is gone (named), not
+    a new image under the boxes it read at start."""
+    from detector.data import CocoDetection, DataError
+
+    root = tmp_path / "s"
+    ensure_shapes(root, 3, 1, seed=0, min_side=64, max_side=80)
+    reader = CocoDetection(root / "train", root / "train.json")
+    reader[0]
+    ensure_shapes(root, 3, 1, seed=1, min_side=64, max_side=80)  # another run, other settings
+    with pytest.raises((DataError, OSError), match=r"train/[0-9a-f]{8}_000002\.jpg"):
+        reader[1]
+    fresh = CocoDetection(root / "train", root / "train.json")
+    assert len(fresh) == 3 and fresh[1][0].shape[0] == 3
 
 
 def test_cli(tmp_path, capsys):

@@ -4,9 +4,14 @@
 
 writes::
 
-    DIR/train.json   DIR/train/000001.jpg ...
-    DIR/val.json     DIR/val/000001.jpg ...
+    DIR/train.json   DIR/train/<tag>_000001.jpg ...
+    DIR/val.json     DIR/val/<tag>_000001.jpg ...
     DIR/shapes_params.json   (the settings and generator version)
+
+``<tag>`` (8 hex digits) stands for the settings: a folder regenerated with other settings
+(``ensure_shapes``) names its images otherwise, so that a run still reading the old set
+stops at its next image, naming the file that is gone, instead of reading the new
+images with the old boxes.
 
 Three classes told apart by shape only: ``circle`` (id 1), ``rectangle`` (id 2, aspect
 0.5..2), ``triangle`` (id 3, randomly rotated, not degenerate). Colours vary within a
@@ -25,6 +30,7 @@ same seed gives byte-identical files.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -197,8 +203,9 @@ def generate_image(rng: np.random.Generator, min_side: int, max_side: int) -> Tu
     return np.clip(np.rint(img), 0, 255).astype(np.uint8), objects
 
 
-def generate_split(out: Path, split: str, num_images: int, seed: int, min_side: int, max_side: int) -> Path:
-    """Write ``out/<split>/*.jpg`` and ``out/<split>.json``; return the JSON path."""
+def generate_split(out: Path, split: str, num_images: int, seed: int, min_side: int, max_side: int,
+                   prefix: str = "") -> Path:
+    """Write ``out/<split>/<prefix>NNNNNN.jpg`` and ``out/<split>.json``; return the JSON path."""
     if split not in _SPLIT_CODES:
         raise ValueError(f"shapes split must be one of {sorted(_SPLIT_CODES)}, got {split!r}")
     if not (8 <= min_side <= max_side):
@@ -210,7 +217,7 @@ def generate_split(out: Path, split: str, num_images: int, seed: int, min_side: 
         rng = np.random.default_rng([seed, _SPLIT_CODES[split], i])
         array, objects = generate_image(rng, min_side, max_side)
         image_id = i + 1
-        file_name = f"{image_id:06d}.jpg"
+        file_name = f"{prefix}{image_id:06d}.jpg"
         Image.fromarray(array).save(image_dir / file_name, quality=JPEG_QUALITY)
         images.append({"id": image_id, "file_name": file_name, "height": int(array.shape[0]),
                        "width": int(array.shape[1])})
@@ -232,6 +239,11 @@ def _params(num_train: int, num_val: int, seed: int, min_side: int, max_side: in
             "min_side": int(min_side), "max_side": int(max_side)}
 
 
+def settings_tag(params: Dict[str, int]) -> str:
+    """8 hex digits that stand for ``params`` (``_params``): the image names' prefix."""
+    return hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:8]
+
+
 def generate_shapes(out: str | os.PathLike, num_train: int, num_val: int, seed: int = 0,
                     min_side: int = 96, max_side: int = 224) -> Path:
     """Write the train and val splits under ``out`` (created if needed),
@@ -239,13 +251,14 @@ def generate_shapes(out: str | os.PathLike, num_train: int, num_val: int, seed: 
     recording how they were made."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    params = _params(num_train, num_val, seed, min_side, max_side)
     written = []
     for split, count in (("train", num_train), ("val", num_val)):
-        ann_file = generate_split(out, split, count, seed, min_side, max_side)
+        ann_file = generate_split(out, split, count, seed, min_side, max_side, prefix=f"{settings_tag(params)}_")
         written += [f"{split}/{img['file_name']}" for img in json.loads(ann_file.read_text())["images"]]
         written.append(ann_file.name)
     (out / MANIFEST_FILE).write_text("".join(f"{name}\n" for name in written))
-    (out / PARAMS_FILE).write_text(json.dumps(_params(num_train, num_val, seed, min_side, max_side), sort_keys=True))
+    (out / PARAMS_FILE).write_text(json.dumps(params, sort_keys=True))
     return out
 
 
@@ -296,7 +309,9 @@ def ensure_shapes(root: str | os.PathLike, num_train: int, num_val: int, seed: i
     A folder this generator wrote with other settings (or an older generator version) is
     regenerated, with a warning: the files it wrote (``shapes_files.txt``) are replaced,
     and anything else in the folder is left alone; a folder it did not write is used as
-    it is. Generation
+    it is. The new images have other names (``settings_tag``), so a run that still reads
+    the old set stops with the name of a file that is gone, never pairs a new image with
+    an old image's boxes. Generation
     happens in a temporary sibling folder that then replaces ``root``, under a file lock,
     so several processes (ranks) starting at once generate it once.
     """
@@ -309,7 +324,8 @@ def ensure_shapes(root: str | os.PathLike, num_train: int, num_val: int, seed: i
             reason = _stale_reason(root, wanted)
             if reason is None:
                 return root  # another process made it meanwhile, or not ours to touch
-            logger.warning("regenerating the shapes data set at %s: %s", root, reason)
+            logger.warning("regenerating the shapes data set at %s: %s (a run still reading the old set stops at "
+                           "its next image: its files are gone)", root, reason)
         else:
             logger.info("generating the shapes data set at %s (train=%d, val=%d, seed=%d, sides %d..%d)",
                         root, num_train, num_val, seed, min_side, max_side)
