@@ -55,7 +55,7 @@ demo: $(STAMP)
 # benchmarks against torchvision -> gpu-report.json (tools/gpu_check.py --list: the plan).
 # Without CUDA: one line, exit status 2.
 gpu-check: $(STAMP)
-	$(PY) tools/gpu_check.py
+	@$(PY) tools/gpu_check.py
 
 # runs/ and caches; the environment stays (make distclean removes it too).
 clean:

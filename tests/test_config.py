@@ -78,23 +78,6 @@ def test_base_chain_and_override_order(tmp_path):
     assert cfg.solver.lr == 0.4 and cfg.solver.steps == [10, 20] and cfg.train.amp.enabled is True
 
 
-def test_an_override_given_twice_is_said(caplog):
-    """Overrides apply in order, the last wins; a key given twice with other values (two
-    lists of a script joined) is one warning naming both. The same item twice is not."""
-    import logging
-
-    with caplog.at_level(logging.WARNING, logger="detector.config"):
-        cfg = load_config(TINY_CONFIG, ["solver.lr=0.3", "solver.max_iter=5", " solver.lr =0.4"])
-    assert cfg.solver.lr == 0.4
-    said = [r.getMessage() for r in caplog.records]
-    assert said == ["override solver.lr is given twice ('solver.lr=0.3', then ' solver.lr =0.4'): the last one is "
-                    "used"], said
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="detector.config"):
-        load_config(TINY_CONFIG, ["solver.lr=0.3", "solver.lr=0.3", "solver.steps=[2]"])
-    assert caplog.records == []
-
-
 def test_base_cycle_and_missing_file(tmp_path):
     _write(tmp_path / "a.yaml", "base: b.yaml\n")
     _write(tmp_path / "b.yaml", "base: a.yaml\n")

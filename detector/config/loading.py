@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
@@ -27,8 +26,6 @@ from .schema import Config
 from .validation import ConfigError, auto_keys, check_keys, validate_config
 from .value_types import check_value_shapes
 from .yaml_reader import YAMLRefused, load_yaml
-
-logger = logging.getLogger(__name__)
 
 
 def _read_text(path: Path) -> str:
@@ -169,13 +166,8 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Li
         for data, source in _read_yaml(Path(path)):
             check_keys(data, source)
             cfg = _merge(cfg, _auto_to_none(data), source)
-    given: dict = {}
     for item in overrides or []:
         key, value = _parse_override(item)
-        if key in given and given[key] != item:  # last wins, as documented; a script's two lists say so
-            logger.warning("override %s is given twice ('%s', then '%s'): the last one is used", key,
-                           _cut(given[key]), _cut(item))
-        given[key] = item
         nested = _nest(key, value)
         check_keys(nested, "override")
         cfg = _merge(cfg, _auto_to_none(nested), f"override '{item}'")

@@ -52,25 +52,20 @@ def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_fi
 
 
 def _check_names_apart(names_by_id: Dict[Any, str], cat_ids: Sequence[Any], ann_file: str) -> None:
-    """Each category in use (``cat_ids``) has a name of its own: labels are known by
-    their names in results, per-class metrics, drawn pictures and the check that a
-    checkpoint's labels name the classes they did in training (two categories of one name
-    would swap there unseen).
+    """Each category in use (``cat_ids``) has a name: labels are known by their names in
+    results, per-class metrics, drawn pictures and the class checks. (A name two
+    categories share is accepted: the class checks then compare by id order, see
+    ``detector.data.classes``.)
 
     Raises:
-        DataError: an empty name, or a name two categories in use share.
+        DataError: an empty name (a null one is the id as text).
     """
-    first: Dict[str, Any] = {}
     for c in cat_ids:
         name = names_by_id[c]
         if not name.strip():
             raise DataError(f"annotation file {ann_file}: category id {c} has an empty name {name!r}; labels are "
-                            "known by their names (results, per-class metrics, class checks): name it")
-        if name in first:
-            raise DataError(f"annotation file {ann_file}: categories {first[name]} and {c} are both named {name!r}; "
-                            "labels are known by their names (results, per-class metrics, class checks): name them "
-                            "apart in the file")
-        first[name] = c
+                            "known by their names (results, per-class metrics, class checks): name it, or leave "
+                            "'name' out to name it by its id")
 
 
 # data.label_space=category_id: the largest id may exceed both bounds, not just one (COCO:
@@ -99,7 +94,7 @@ def coco_label_map(
       ``unused_<id>`` and are not in ``label_to_category_id`` (nor evaluated).
 
     Raises:
-        DataError: a category in use without a name of its own (``_check_names_apart``);
+        DataError: a category in use with an empty name (``_check_names_apart``);
             with ``category_id``, a category id in use that is not an integer >= 1,
             or ids so sparse that the labels would be mostly unused (the largest id above
             both ``MAX_UNUSED_PER_CATEGORY`` times the ids in use and ``MIN_SPARSE_CATEGORY_ID``).
