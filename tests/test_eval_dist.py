@@ -73,6 +73,10 @@ def test_two_ranks_equal_one_rank(tmp_path):
     assert d1 == d2
     gt_ids = {img["id"] for img in json.loads((data / "val.json").read_text())["images"]}
     assert len(gt_ids) == NUM_VAL and {d["image_id"] for d in d1} <= gt_ids
+    # The two ranks shared the parsed val records in --output-dir, not in the config's run
+    # folder (train.output_dir, runs/tiny_cpu under the working folder); one rank: no cache.
+    assert len(list((tmp_path / "two" / "cache").glob("val-*.records"))) == 1
+    assert not (tmp_path / "one" / "cache").exists()
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from detector.data import CocoDetection, DataError
-from detector.data.build import record_cache
+from detector.data.build import cache_in, record_cache
 from detector.data.record_cache import RecordCache, cache_key, cache_path
 from detector.data.record_file import RecordFileError, read_record_file
 from detector.data.records import ALL_FIELDS
@@ -212,6 +212,20 @@ def test_cache_dir_key(tiny_cfg, tmp_path):
     assert record_cache(tiny_cfg()) is None  # auto, one process
     assert record_cache(tiny_cfg("data.cache_dir=")) is None
     assert record_cache(tiny_cfg(f"data.cache_dir={tmp_path / 'c'}")) == RecordCache(tmp_path / "c")
+
+
+def test_a_tool_with_an_output_folder_keeps_the_auto_cache_there(tiny_cfg, tmp_path, monkeypatch):
+    """tools/eval.py --output-dir under torchrun: ``auto`` shares the records under that
+    folder, not under the config's train.output_dir (a run folder, or a folder of its name
+    made under the working folder). One process: still none; a folder the user set: kept."""
+    import detector.data.build as build
+
+    assert cache_in(tiny_cfg(), tmp_path / "eval") == tiny_cfg()  # one process
+    monkeypatch.setattr(build, "get_world_size", lambda: 2)
+    assert record_cache(cache_in(tiny_cfg(), tmp_path / "eval")) == RecordCache(tmp_path / "eval" / "cache")
+    mine = tiny_cfg(f"data.cache_dir={tmp_path / 'mine'}")
+    assert record_cache(cache_in(mine, tmp_path / "eval")) == RecordCache(tmp_path / "mine")
+    assert record_cache(cache_in(tiny_cfg("data.cache_dir="), tmp_path / "eval")) is None
 
 
 @pytest.mark.skipif(not SMAPS.exists() or not hasattr(os, "fork"), reason="needs /proc/self/smaps and fork")

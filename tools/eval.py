@@ -130,7 +130,7 @@ def analyse(args: argparse.Namespace, gt, results, score_thresh: float, image_di
 
 def run_model(args: argparse.Namespace) -> int:
     """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
-    from detector.data import build_dataset, check_trained_classes, resolve_num_classes
+    from detector.data import build_dataset, cache_in, check_trained_classes, resolve_num_classes
     from detector.modeling.trained_config import warn_other_settings
     from detector.modeling.weights import load_model_weights
     from detector.distributed import cleanup, init_distributed, report_lost_rank
@@ -142,6 +142,8 @@ def run_model(args: argparse.Namespace) -> int:
     if args.output_dir:
         output_folder(args.output_dir, "--output-dir")  # a file or a read-only folder: one line, before any work
     info = init_distributed(cfg.train.device, backend=cfg.train.dist_backend, timeout_s=cfg.train.dist_timeout_s)
+    if args.output_dir:  # several ranks share the parsed records there, not in the config's run folder
+        cfg = cache_in(cfg, args.output_dir)
     try:
         setup_logging(args.output_dir, rank=info.rank)
         dataset = build_dataset(cfg, "val", is_train=False)

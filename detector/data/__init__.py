@@ -13,7 +13,7 @@ start (as the tests' ``conftest.py`` does); set it in your own programs to start
 without a wait.
 """
 
-from .build import FORMATS, build_dataset, check_data_paths
+from .build import FORMATS, build_dataset, cache_in, check_data_paths
 from .classes import (
     category_id_class_names,
     check_trained_classes,
@@ -39,6 +39,7 @@ __all__ = [
     "DetectionDataset",
     "VOCDetection",
     "build_dataset",
+    "cache_in",
     "build_test_loader",
     "build_train_loader",
     "build_transforms",

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -86,6 +87,17 @@ def record_cache(cfg: Config) -> Optional[RecordCache]:
     if folder == "auto":
         return RecordCache(Path(cfg.train.output_dir) / "cache") if get_world_size() > 1 else None
     return RecordCache(Path(folder)) if folder else None
+
+
+def cache_in(cfg: Config, folder: str | os.PathLike) -> Config:
+    """``cfg`` whose ``data.cache_dir: auto`` puts the shared records under ``folder``
+    (``<folder>/cache``) instead of ``train.output_dir``: for a tool that writes into a
+    folder of its own (``tools/eval.py --output-dir``), so that it writes nothing into the
+    run folder its config names (or a folder of that name under the working folder).
+    Other values are the user's choice and kept."""
+    if cfg.data.cache_dir != "auto" or get_world_size() <= 1:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=str(Path(folder) / "cache")))
 
 
 def _check_first_images(dataset: DetectionDataset, key: str, count: int = 16) -> DetectionDataset:
