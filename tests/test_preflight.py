@@ -259,6 +259,34 @@ def test_voc_subset_drops_other_classes_and_logs_counts(voc_root, caplog):
     assert len(lines) == 1 and "dropped 4 boxes of other classes: person 3, car 1" in lines[0]
 
 
+@pytest.mark.parametrize("written", ["Cat", "CAT"])
+def test_a_kept_class_written_otherwise_is_a_warning_naming_it(voc_root, tmp_path, caplog, written):
+    """A box labelled 'Cat' (or 'CAT') in a subset that keeps 'cat' is a labelling slip,
+    not another class: it is dropped as before, with a warning naming the class it
+    differs from only in case or spacing; the checker's line says the same. Long names
+    are cut in both."""
+    from detector.data.check import check_dataset, format_report
+
+    ann = voc_root / "Annotations" / "c.xml"
+    text = ann.read_text()
+    ann.write_text(text.replace("<name>cat</name>", f"<name>{written}</name>", 1))
+    assert ann.read_text() != text
+    with caplog.at_level(logging.INFO, logger="detector.data"):
+        VOCDetection(voc_root, "train", class_names=["dog", "cat"], require_every_class=True)
+    line = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(line) == 1 and line[0].levelno == logging.WARNING, line
+    assert f"{written} 1 (differs from 'cat' only in case or spacing" in line[0].getMessage(), line[0].getMessage()
+    cfg = load_config(TINY, _voc_overrides(voc_root, tmp_path / "o") + ["data.class_names=[dog,cat]"])
+    assert "differs from 'cat' only in case or spacing" in format_report(check_dataset(cfg, "train"))
+    long = "x" * 500
+    ann.write_text(text.replace("<name>cat</name>", f"<name>{long}</name>", 1))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="detector.data"):
+        VOCDetection(voc_root, "train", class_names=["dog", "cat"], require_every_class=True)
+    (line,) = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert line.levelno == logging.INFO and "x" * 37 + "... 1" in line.getMessage() and long not in line.getMessage()
+
+
 def test_voc_default_classes_still_refuse_unknown_names(voc_root):
     ann = voc_root / "Annotations" / "a.xml"
     ann.write_text(ann.read_text().replace("<name>cat</name>", "<name>widget</name>"))

@@ -25,7 +25,7 @@ from detector.messages import first_line
 from .build import build_dataset, check_data_paths
 from .classes import check_val_classes, resolve_class_names
 from .coco import parse_coco
-from .dataset import ImageRecord, Issues, fraction_coordinates_problem
+from .dataset import ImageRecord, Issues, fraction_coordinates_problem, other_classes_text
 from .files import DataError, decode_image
 from .voc import VOC_CLASSES, parse_voc
 
@@ -233,7 +233,8 @@ def format_report(report: CheckReport) -> str:
         lines += [f"  {name:<{width}}  {count}" for name, count in report.per_class.items()]
     if report.other_classes:
         lines.append(f"boxes of classes outside data.class_names (dropped in training): "
-                     f"{sum(report.other_classes.values())} (" + ", ".join(f"{k} {v}" for k, v in report.other_classes.items()) + ")")
+                     f"{sum(report.other_classes.values())} ("
+                     f"{other_classes_text(list(report.per_class), Counter(report.other_classes))})")
     for title, hist in (("image size sqrt(w*h)", report.size_hist), ("aspect ratio w/h", report.aspect_hist),
                         ("box area", report.box_size_hist)):
         if hist:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import unicodedata
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -181,12 +182,40 @@ def rows_to_arrays(rows: list) -> Dict[str, np.ndarray]:
     }
 
 
+MAX_SHOWN_NAME = 40  # characters of a class name in a message
+
+
+def _same_class(name: str, class_names: Sequence[str]) -> Optional[str]:
+    """The one of ``class_names`` that ``name`` differs from only in case, spacing or
+    Unicode normalisation (``Cat``, ``cat ``, NFD ``café``), else None."""
+    def key(text: str) -> str:
+        return " ".join(unicodedata.normalize("NFC", text).casefold().split())
+    return next((c for c in class_names if key(c) == key(name)), None)
+
+
+def other_classes_text(class_names: Sequence[str], dropped: Counter) -> str:
+    """``"dog 3, Cat 1 (differs from 'cat' only in case or spacing: ...)"``: the boxes
+    of classes outside ``class_names`` per class, most first, each name cut to
+    ``MAX_SHOWN_NAME`` characters; a name that is one of ``class_names`` written otherwise
+    (a labelling slip whose boxes are dropped) says so."""
+    parts = []
+    for name, n in dropped.most_common():
+        shown = name if len(name) <= MAX_SHOWN_NAME else name[:MAX_SHOWN_NAME - 3] + "..."
+        same = _same_class(name, class_names)
+        hint = (f" (differs from {same!r} only in case or spacing: the same class? write it as {same!r} in the "
+                "annotations, or its boxes are dropped)") if same is not None else ""
+        parts.append(f"{shown} {n}{hint}")
+    return ", ".join(parts)
+
+
 def log_other_classes(source: str, class_names: Sequence[str], dropped: Counter) -> None:
-    """One info line: the boxes of classes outside ``class_names`` that were dropped, per class."""
+    """One line on the boxes of classes outside ``class_names`` that were dropped, per
+    class: info, or a warning where a dropped name is a kept class written otherwise."""
     if dropped:
-        logger.info("%s: training on %d classes (data.class_names); dropped %d boxes of other classes: %s",
-                    source, len(class_names), sum(dropped.values()),
-                    ", ".join(f"{name} {n}" for name, n in dropped.most_common()))
+        slip = any(_same_class(name, class_names) is not None for name in dropped)
+        logger.log(logging.WARNING if slip else logging.INFO,
+                   "%s: training on %d classes (data.class_names); dropped %d boxes of other classes: %s",
+                   source, len(class_names), sum(dropped.values()), other_classes_text(class_names, dropped))
 
 
 def drop_images_without_training_boxes(store: RecordStore, use_difficult: bool) -> RecordStore:
