@@ -78,6 +78,35 @@ def test_read_weights_file_one_line_per_case(tmp_path):
     assert read_weights_file(tmp_path / "good.pth")["model"]["a"].shape == (100,)
 
 
+def test_a_model_file_of_another_format_is_named_as_such(tmp_path):
+    """An exported model passed as --weights (the TorchScript or ONNX file tools/export.py
+    wrote), or a safetensors file, was 'not a PyTorch weights file (corrupt, or another
+    format)': now what it is and what to give instead. Other bytes keep the old line."""
+    import json
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated
+        torch.jit.script(torch.nn.Linear(2, 2)).save(tmp_path / "model.pt")
+    (tmp_path / "model_onnx.pth").write_bytes(b"\x08\x08\x12\x07pytorch\x1a\x062.14.1:" + bytes(64))
+    (tmp_path / "model.onnx").write_bytes(b"not even protobuf")
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (tmp_path / "w.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    (tmp_path / "noise.pth").write_bytes(b"\x01\x02" * 40)
+    expected = {
+        "model.pt": "a TorchScript model (as tools/export.py --format torchscript writes), not weights: give the "
+                    "checkpoint it was exported from, or run it with torch.jit.load",
+        "model_onnx.pth": "an ONNX model (as tools/export.py --format onnx writes), not weights",
+        "model.onnx": "an ONNX model",
+        "w.safetensors": "a safetensors file, not a torch.save file: save its tensors with torch.save(",
+        "noise.pth": "not a PyTorch weights file (corrupt, or another format)",
+    }
+    for name, words in expected.items():
+        with pytest.raises(WeightsError) as e:
+            read_weights_file(tmp_path / name)
+        assert str(e.value).startswith(f"{tmp_path / name}: {words}"), (name, str(e.value))
+
+
 @pytest.fixture(scope="module")
 def tool_setup(tmp_path_factory):
     """A tiny model's weights, a config, a val set of 2 generated images, one input

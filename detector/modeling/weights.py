@@ -35,6 +35,7 @@ import pickle
 import re
 import urllib.parse
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -103,6 +104,33 @@ class LoadReport:
 # --------------------------------------------------------------------------- reading files
 
 
+def _other_format(path: Path) -> Optional[str]:
+    """What a file that ``torch.load`` refused is, where its bytes tell: a model that
+    ``tools/export.py`` wrote (TorchScript, ONNX), or safetensors; else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+        names = zipfile.ZipFile(path).namelist() if zipfile.is_zipfile(path) else []
+    except (OSError, zipfile.BadZipFile):
+        return None
+    if any("/code/" in n for n in names) and any(n.endswith("/constants.pkl") for n in names):
+        return ("a TorchScript model (as tools/export.py --format torchscript writes), not weights: give the "
+                "checkpoint it was exported from, or run it with torch.jit.load")
+    if len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
+        return ("a safetensors file, not a torch.save file: save its tensors with torch.save("
+                "safetensors.torch.load_file(path), 'weights.pth') and give that")
+    if path.suffix.lower() == ".onnx" or (head[:1] == b"\x08" and b"pytorch" in head):
+        return ("an ONNX model (as tools/export.py --format onnx writes), not weights: give the checkpoint it was "
+                "exported from, or run it with onnxruntime")
+    return None
+
+
+def _not_weights(path: Path, kind: str = "corrupt, or another format") -> WeightsError:
+    """``<path>: not a PyTorch weights file (<kind>)``, or what it is where its bytes tell."""
+    other = _other_format(path)
+    return WeightsError(f"{path}: {other}" if other else f"{path}: not a PyTorch weights file ({kind})")
+
+
 def _unpickling_refusal(path: Path, exc: pickle.UnpicklingError) -> WeightsError:
     """Rephrase torch's weights-only refusal without its advice to turn the check off."""
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
@@ -112,7 +140,7 @@ def _unpickling_refusal(path: Path, exc: pickle.UnpicklingError) -> WeightsError
             f"(it needs {found.group(1)}); only weight files saved with torch.save of a state dict or "
             "training checkpoint are read"
         )
-    return WeightsError(f"{path}: not a PyTorch weights file (corrupt, or another format)")
+    return _not_weights(path)
 
 
 def read_weights_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
@@ -127,7 +155,8 @@ def read_weights_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
 
     Raises:
         WeightsError: one line naming the file: missing, a directory, empty, truncated,
-            corrupt or of another format, a pickle of other Python objects, or not a dict.
+            corrupt or of another format (an exported TorchScript or ONNX model, or
+            safetensors, said as such), a pickle of other Python objects, or not a dict.
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -147,10 +176,9 @@ def read_weights_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
         if "zip archive" in str(exc) or "central directory" in str(exc):
             raise WeightsError(f"{path}: truncated or corrupt weights file ({size} bytes; the zip archive "
                                "is incomplete, e.g. a copy or save that stopped midway)") from None
-        raise WeightsError(f"{path}: not a PyTorch weights file (corrupt, or another format)") from None
+        raise _not_weights(path) from None
     except (EOFError, OSError, KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
-        kind = "truncated" if isinstance(exc, EOFError) else "corrupt, or another format"
-        raise WeightsError(f"{path}: not a PyTorch weights file ({kind})") from None
+        raise _not_weights(path, "truncated" if isinstance(exc, EOFError) else "corrupt, or another format") from None
     if not isinstance(data, dict):
         raise WeightsError(f"{path}: holds a {type(data).__name__}, not a state dict (a mapping of names to tensors)")
     return data
