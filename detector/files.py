@@ -7,7 +7,8 @@ quota, a folder in the way, a writer that raises) removes the temporary file, le
 ``path`` as it was (absent, or the previous complete file) and raises ``OutputError``:
 one line naming the path. So no tool leaves a ``.tmp`` file or a partial output behind.
 
-``output_folder(path, what)`` makes sure a folder can take outputs before work starts.
+``output_folder(path, what)`` makes sure a folder can take outputs before work starts;
+``check_writes_apart(writes, reads)`` that no file a tool writes is one of its inputs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import errno
 import math
 import os
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Mapping, Optional
 
 from detector.messages import DetectorError, first_line
 
@@ -64,6 +65,32 @@ def missing_file_state(path: "str | os.PathLike") -> str:
     if path.is_symlink() and not path.exists():
         return "is a link to nothing (or a loop of links)"
     return "is not a regular file" if path.exists() else "not found"
+
+
+def same_file(a: "str | os.PathLike", b: "str | os.PathLike") -> bool:
+    """Whether ``a`` and ``b`` name one file (by any path: a link, ``./``, ``..``); for a
+    path that does not exist yet, whether they resolve alike."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_writes_apart(writes: Mapping[str, "str | os.PathLike"],
+                       reads: Mapping[str, "Optional[str | os.PathLike]"]) -> None:
+    """Refuse, before any work, a file a tool would write (``writes``: what names it ->
+    path) that is one of its inputs (``reads``: argument -> path, None where not given):
+    writing it would destroy the input (``export.py --output`` its own ``--weights``,
+    ``eval.py --output-dir`` that holds the ``--predictions`` file ``detections.json``).
+
+    Raises:
+        OutputError: ``<what> <path> is the <argument> file <path>: ...``.
+    """
+    for what, out in writes.items():
+        for argument, source in reads.items():
+            if source is not None and os.path.isfile(source) and same_file(out, source):
+                raise OutputError(f"{what} {out} is the {argument} file {source}: writing it would destroy that "
+                                  "input; choose another path")
 
 
 def no_file_message(what: str, path: "str | os.PathLike") -> str:

@@ -187,6 +187,44 @@ def test_export_to_a_folder_is_a_usage_error_before_the_export(weights, tmp_path
     assert leftovers(tmp_path) == ["m.pt"]
 
 
+def test_an_output_that_is_an_input_is_refused_before_the_work(weights, tmp_path, capsys):
+    """A file a tool writes that is one of its inputs, by any path (a link, ``..``):
+    ``export.py --output`` its own --weights or --config, ``eval.py --output-dir`` holding
+    the --predictions file it rewrites (re-scoring an evaluation into its folder), a
+    ``--json`` that is the --config. Each was overwritten (the checkpoint lost); now one
+    line, status 1, and every input as it was."""
+    gt, dets = make_coco_case()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "gt.json").write_text(json.dumps(gt))
+    (run / "detections.json").write_text(json.dumps(dets))
+    config = run / "config.yaml"
+    config.write_text(TINY_CPU.read_text())
+    mine = run / "w.pth"
+    mine.write_bytes(weights.read_bytes())
+    (run / "link.pth").symlink_to(mine)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    cases = [
+        ("export", ["--config", str(config), "--weights", str(mine), "--format", "torchscript", "--output",
+                    str(run / ".." / "run" / "w.pth")], f"--output {run / '..' / 'run' / 'w.pth'} is the --weights file"),
+        ("export", ["--config", str(config), "--weights", str(run / "link.pth"), "--format", "onnx", "--output",
+                    str(mine)], f"--output {mine} is the --weights file {run / 'link.pth'}"),
+        ("export", ["--config", str(config), "--weights", str(mine), "--format", "torchscript", "--output",
+                    str(config)], f"--output {config} is the --config file"),
+        ("eval", ["--predictions", str(run / "detections.json"), "--annotations", str(run / "gt.json"),
+                  "--output-dir", str(run)], f"--output-dir's detections.json {run / 'detections.json'} is the "
+                                              "--predictions file"),
+        ("summary", ["--config", str(config), "--json", str(config)], f"--json {config} is the --config file"),
+        ("benchmark", ["--config", str(config), "--task", "eval", "--gt", str(run / "gt.json"), "--results",
+                       str(run / "detections.json"), "--json", str(run / "gt.json")], "is the --gt file"),
+    ]
+    for tool, argv, words in cases:
+        assert load_tool(tool).main(argv) == 1, (tool, argv)
+        msg = one_line(capsys.readouterr().err)
+        assert msg.startswith("error: ") and words in msg and "writing it would destroy that input" in msg, msg
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
 @pytest.mark.parametrize("tool,args", [
     ("export", ["--config", str(TINY_CPU), "--weights", "w.pth", "--format", "torchscript", "--output"]),
     ("summary", ["--config", str(TINY_CPU), "--json"]),

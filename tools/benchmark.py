@@ -30,7 +30,7 @@ from benchmarks.scaling import ScalingSweep  # noqa: E402
 from benchmarks.static_check import format_static_check, static_check  # noqa: E402
 from detector.cli import output_file, run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
-from detector.files import write_text  # noqa: E402
+from detector.files import check_writes_apart, write_text  # noqa: E402
 
 DEMO_CONFIG = ROOT / "configs" / "demo_shapes.yaml"
 
@@ -104,6 +104,9 @@ def main(argv=None) -> int:
 
 def benchmark(args: argparse.Namespace) -> int:
     """Run the task; print its summary; write the full result to --json if given."""
+    if args.json_out:  # before minutes of work: a --json typed as an input would destroy it
+        check_writes_apart({"--json": args.json_out}, {"--config": args.config, "--gt": args.gt,
+                                                       "--results": args.results, "--records-file": args.records_file})
     if args.task == "static-check":  # --iters batches
         result = static_check(load_config(args.config, args.overrides), args.iters, args.compile_backend)
         print(format_static_check(result))

@@ -25,13 +25,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
 from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
-from detector.files import output_folder  # noqa: E402
+from detector.files import check_writes_apart, output_folder  # noqa: E402
 
 logger = logging.getLogger("detector.tools.eval")
 
@@ -82,9 +82,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def check_outputs_apart(args: argparse.Namespace, written: Sequence[str]) -> None:
+    """Refuse an --output-dir whose files this run rewrites (``written``, and the error
+    analysis's under ``analysis/``) where one of them is an input: re-scoring an earlier
+    evaluation's ``detections.json`` into its own folder replaced the file being scored."""
+    if not args.output_dir:
+        return
+    names = [*written, *(f"analysis/{n}" for n in ("analysis.json", "analysis.csv", "analysis.png") if args.analysis)]
+    check_writes_apart({f"--output-dir's {name}": Path(args.output_dir) / name for name in names},
+                       {"--predictions": args.predictions, "--annotations": args.annotations,
+                        "--weights": args.weights, "--config": args.config})
+
+
 def score_file(args: argparse.Namespace) -> int:
     """File mode: score a results file against COCO JSON or VOC XML ground truth."""
     from detector.evaluation import (
+        OUTPUT_FILES,
         format_table,
         load_ground_truth,
         load_predictions,
@@ -92,6 +105,7 @@ def score_file(args: argparse.Namespace) -> int:
         write_outputs,
     )
 
+    check_outputs_apart(args, OUTPUT_FILES)
     cfg = load_config(None, args.overrides)
     if args.voc_root:
         from detector.data import VOCDetection
@@ -135,9 +149,10 @@ def run_model(args: argparse.Namespace) -> int:
     from detector.modeling.weights import load_model_weights
     from detector.distributed import cleanup, init_distributed, report_lost_rank
     from detector.engine.log import setup_logging
-    from detector.evaluation import evaluate
+    from detector.evaluation import OUTPUT_FILES, evaluate
     from detector.modeling import build_model
 
+    check_outputs_apart(args, [*OUTPUT_FILES, "log.txt"])
     cfg = load_config(args.config, args.overrides)
     if args.output_dir:
         output_folder(args.output_dir, "--output-dir")  # a file or a read-only folder: one line, before any work

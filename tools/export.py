@@ -43,6 +43,7 @@ from detector.config.schema import MAX_IMAGE_SIDE  # noqa: E402
 from detector.data import check_trained_classes, class_names_for  # noqa: E402
 from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
+from detector.files import check_writes_apart  # noqa: E402
 from detector.modeling.trained_config import warn_other_settings  # noqa: E402
 from detector.modeling.weights import load_weights  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
@@ -132,6 +133,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def export(args: argparse.Namespace) -> int:
     """Export (unless --verify-only), check the file against the eager model, time it."""
+    if not args.verify_only:  # before the work: an --output typed as an input would destroy it
+        check_writes_apart({"--output": args.output},
+                           {"--weights": args.weights, "--config": args.config, "--image": args.image})
     # --weights holds every weight: build without initial weights (nothing to download).
     cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
     model = build_model(cfg)

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from detector.cli import output_file, run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.config.schema import MAX_IMAGE_SIDE  # noqa: E402
-from detector.files import write_text  # noqa: E402
+from detector.files import check_writes_apart, write_text  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.summary import default_image_size, format_summary, model_summary  # noqa: E402
 
@@ -53,6 +53,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def summarize(args: argparse.Namespace) -> int:
     """Print the summary; write it to --json if given."""
+    if args.json:
+        check_writes_apart({"--json": args.json}, {"--config": args.config})
     cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
     size = tuple(args.image_size) if args.image_size else default_image_size(cfg)
     torch.manual_seed(0)  # random init: the RPN's proposal count (the RoI heads' FLOPs) repeats

@@ -15,7 +15,8 @@ from .coco import COCO_METRIC_NAMES, CocoEvalResult, coco_evaluate
 from .inference import predict_files
 from .input_files import list_images
 from .plots import draw_detections
-from .report import ScoreReport, evaluate, format_table, score_detections, write_json, write_outputs, write_report
+from .report import (OUTPUT_FILES, ScoreReport, evaluate, format_table, score_detections, write_json, write_outputs,
+                     write_report)
 from .eval_files import load_ground_truth, load_predictions
 from .results import ResultsError, UnknownImageError
 from .voc import ap_area, ap_voc07, voc_evaluate
@@ -40,5 +41,6 @@ __all__ = [
     "voc_evaluate",
     "write_json",
     "write_outputs",
+    "OUTPUT_FILES",
     "write_report",
 ]

@@ -155,6 +155,10 @@ def write_json(path: str | Path, data: Any) -> Path:
     return write_text(path, json.dumps(json_safe(data), indent=1, allow_nan=False))
 
 
+# The files write_outputs writes into an evaluation's output folder.
+OUTPUT_FILES = ("metrics.json", "detections.json", "per_class.csv", "pr_curves.png", "confusion_matrix.png")
+
+
 def write_outputs(
     report: ScoreReport,
     results: Any,
@@ -163,7 +167,7 @@ def write_outputs(
 ) -> Dict[str, Path]:
     """Write ``metrics.json`` (the flat metrics dict), ``detections.json`` (COCO
     results; ``results`` a list or Detections), ``per_class.csv``, ``pr_curves.png``
-    and ``confusion_matrix.png``."""
+    and ``confusion_matrix.png`` (``OUTPUT_FILES``)."""
     out = output_folder(output_dir)
     metrics = dict(report.metrics)
     metrics.update(extra_metrics or {})
