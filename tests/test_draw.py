@@ -177,3 +177,72 @@ def test_thin_images_are_not_scaled_past_the_drawing_bound(h, w, scale):
     d = render(image, torch.tensor([[0.0, 0.0, 1.0, 1.0]]), ["a"])
     assert d.image_height == h * scale and d.image.shape[2] == w * scale
     assert max(d.image_height, d.image.shape[2]) <= max(MAX_DRAWN_SIDE, h, w)
+
+
+# ----------------------------------------------------------------- fonts for class names
+
+
+def _undrawn_by_default() -> tuple:
+    """A letter or symbol that DejaVu Sans lacks but another installed font draws (the STIX
+    fonts ship with matplotlib), and that font's characters."""
+    import unicodedata
+
+    from detector.evaluation import fonts
+
+    installed = fonts._installed_fonts()
+    default = frozenset().union(*(fonts._code_points(p) for n, p in installed if n == fonts.DEFAULT_FONT))
+    for name, path in installed:
+        extra = [chr(c) for c in sorted(fonts._code_points(path) - default) if unicodedata.category(chr(c))[0] in "LS"]
+        if extra:
+            return extra[0], fonts._code_points(path)
+    pytest.skip("no installed font draws a character that DejaVu Sans lacks")
+
+
+def test_class_names_no_installed_font_draws_are_one_warning(tmp_path, caplog, recwarn):
+    """Chinese class names on a machine without a CJK font: every plot and picture is
+    still written, with one warning naming the characters, not matplotlib's warning per
+    character and figure (24 lines for two names)."""
+    import logging
+
+    from detector.evaluation import fonts
+    from detector.evaluation.plots import plot_confusion_matrix, plot_pr_curves
+
+    names = ["猫", "狗狗", "cat"]
+    if not fonts.text_font(names).missing:
+        pytest.skip("a CJK font is installed here")
+    fonts._warn_undrawn.cache_clear()
+    caplog.clear()
+    curve = (np.array([0.5, 1.0]), np.array([1.0, 0.5]), 0.7)
+    with caplog.at_level(logging.WARNING, logger="detector.evaluation"):
+        plot_pr_curves({n: curve for n in names}, tmp_path / "pr.png")
+        plot_confusion_matrix(np.eye(4, dtype=np.int64), names, tmp_path / "cm.png")
+        render(torch.zeros(3, 64, 64, dtype=torch.uint8), torch.tensor([[4.0, 4.0, 40.0, 40.0]]), ["猫 0.9"],
+               pred_classes=[1], class_names=names)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "no installed font draws the characters '狗猫'" in said[0], said
+    assert not [w for w in recwarn if "missing from font" in str(w.message)]
+    assert (tmp_path / "pr.png").stat().st_size > 0 and (tmp_path / "cm.png").stat().st_size > 0
+
+
+def test_class_names_are_drawn_with_an_installed_font_that_has_their_characters(tmp_path, recwarn, caplog):
+    """A name with a character DejaVu Sans lacks is drawn with an installed font that has
+    it, in the plots (matplotlib's font.family) and in pictures (PIL): nothing missing,
+    no warning. Names DejaVu Sans draws leave the user's fonts alone."""
+    import matplotlib.pyplot as plt
+    from PIL import ImageFont
+
+    from detector.evaluation import fonts
+
+    char, chars = _undrawn_by_default()
+    name = f"class {char}"
+    font = fonts.text_font([name, "cat"])
+    assert font.name and not font.missing and ord(char) in fonts._code_points(font.path) and chars
+    with fonts.plot_font([name]) as used:
+        assert plt.rcParams["font.family"][0] == used.name == font.name
+    with fonts.plot_font(["cat", "dog"]) as used:
+        assert used.name is None and plt.rcParams["font.family"] == plt.rcParamsDefault["font.family"]
+    image = fonts.image_font([name], 12)
+    assert isinstance(image, ImageFont.FreeTypeFont) and image.path == font.path
+    render(torch.zeros(3, 64, 64, dtype=torch.uint8), torch.tensor([[4.0, 4.0, 40.0, 40.0]]), [name],
+           pred_classes=[1], class_names=[name])
+    assert not [w for w in recwarn if "missing from font" in str(w.message)] and not caplog.records

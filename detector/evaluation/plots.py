@@ -29,8 +29,9 @@ matplotlib.use("Agg")  # headless; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image, ImageDraw, ImageFont  # noqa: E402
+from PIL import Image, ImageDraw  # noqa: E402
 
+from .fonts import image_font, plot_font  # noqa: E402
 from .palette import class_color, place_caption, text_color  # noqa: E402
 from detector.files import atomic_write  # noqa: E402
 
@@ -72,9 +73,10 @@ def plot_pr_curves(
         path: the PNG to write.
         ap_kind: what the AP is, written wherever an AP is shown.
     """
-    fig = (_one_plot if len(curves) <= max_single else _small_multiples)(curves, title, ap_kind)
-    fig.tight_layout()
-    return _save_png(fig, path)
+    with plot_font(curves):  # the class names' characters (fonts.py)
+        fig = (_one_plot if len(curves) <= max_single else _small_multiples)(curves, title, ap_kind)
+        fig.tight_layout()
+        return _save_png(fig, path)
 
 
 def _one_plot(curves: Dict[str, Tuple[np.ndarray, np.ndarray, float]], title: str, ap_kind: str):
@@ -134,6 +136,12 @@ def plot_confusion_matrix(
         raise ValueError(f"confusion matrix shape {matrix.shape} does not fit {len(class_names)} classes + background")
     rows = matrix.sum(axis=1, keepdims=True)
     norm = np.divide(matrix, rows, out=np.zeros(matrix.shape, dtype=np.float64), where=rows > 0)
+    with plot_font(names):  # the class names' characters (fonts.py)
+        return _save_png(_confusion_figure(matrix, norm, names, title), path)
+
+
+def _confusion_figure(matrix: np.ndarray, norm: np.ndarray, names: Sequence[str], title: str) -> Any:
+    """The figure of :func:`plot_confusion_matrix`: ``norm`` in colour, ``matrix``'s counts in cells."""
     size = max(5.0, 0.45 * len(names) + 2.5)
     fig, ax = plt.subplots(figsize=(size, size * 0.85), dpi=100)
     im = ax.imshow(norm, cmap="Blues", vmin=0.0, vmax=1.0)
@@ -152,7 +160,7 @@ def plot_confusion_matrix(
                     color = "white" if norm[i, j] > 0.5 else "black"
                     ax.text(j, i, str(int(matrix[i, j])), ha="center", va="center", fontsize=7, color=color)
     fig.tight_layout()
-    return _save_png(fig, path)
+    return fig
 
 
 # --------------------------------------------------------------------------- drawing
@@ -320,12 +328,14 @@ def render(
     scale = max(1, min(int(np.ceil(min_side / max(1, min(pil.size)))), MAX_DRAWN_SIDE // max(pil.size)))
     if scale > 1:
         pil = pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST)
-    font = ImageFont.load_default(size=FONT_SIZE)
     groups = [g for g in (_group("ground truth", gt_boxes, gt_labels, gt_classes, GT_COLOR, scale),
                           _group("prediction", pred_boxes, pred_labels, pred_classes, PRED_COLOR, scale)) if len(g.boxes)]
     if len(groups) == 2 and groups[0].classes is not None:
         groups[0].dashed = True
     entries = _legend_entries(groups, class_names)
+    # All class names, not only those drawn here: one font, and one warning, for every image of a run.
+    font = image_font([*(c for g in groups for c in g.captions), *(text for text, _ in entries), *class_names],
+                      FONT_SIZE)
     rows = _legend_rows(entries, pil.width, font)
     row_h = FONT_SIZE + 8
     canvas = Image.new("RGB", (pil.width, pil.height + row_h * len(rows)), (255, 255, 255))
