@@ -63,17 +63,20 @@ def _drawn(text: str) -> FrozenSet[int]:
 def text_font(texts: Iterable[str]) -> TextFont:
     """The installed font that draws every character of ``texts``: ``(None, None, "")``
     (the defaults) where DejaVu Sans does; else the first font that does; else the one
-    that draws most of them, with the characters it lacks (and one warning)."""
+    that draws most of them, with the characters it lacks, and one warning naming those
+    that no installed font draws."""
     needed = frozenset().union(*(_drawn(t) for t in texts))
-    best, best_missing = None, needed
+    best, best_missing, undrawn = None, needed, needed
     for name, path in _installed_fonts():
         missing = needed - _code_points(path)
         if not missing:
             return TextFont(None, None, "") if name == DEFAULT_FONT else TextFont(name, path, "")
         if len(missing) < len(best_missing):
             best, best_missing = (name, path), missing
+        undrawn = undrawn & missing
+    if undrawn:
+        _warn_undrawn("".join(sorted(chr(c) for c in undrawn)))
     shown = "".join(sorted(chr(c) for c in best_missing))
-    _warn_undrawn(shown)
     return TextFont(best[0], best[1], shown) if best else TextFont(None, None, shown)
 
 
