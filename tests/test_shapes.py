@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from PIL import Image
 from detector.config import load_config
 from detector.data import build_dataset
 from detector.data.check import check_dataset
-from detector.data.shapes import CLASS_NAMES, MIN_OBJECT_SIDE, ensure_shapes, generate_shapes
+from detector.data.shapes import CLASS_NAMES, MIN_OBJECT_SIDE, ensure_shapes, generate_shapes, settings_tag
 from conftest import load_tool
 
 main = load_tool("make_shapes").main
@@ -139,6 +140,47 @@ def test_cli(tmp_path, capsys):
                  "--min-side", "64", "--max-side", "70"]) == 0
     assert len(json.loads((tmp_path / "o" / "val.json").read_text())["images"]) == 1
     assert "wrote 2 train and 1 val images" in capsys.readouterr().out
+
+
+def test_make_shapes_never_writes_over_someone_elses_annotations(tmp_path, capsys):
+    """--out a folder of one's own COCO data (a train.json the generator did not write):
+    it was replaced by the shapes set without a word. Now refused, the file unchanged.
+    A folder it wrote: kept with the same settings, regenerated with others (its old
+    images removed, other files kept)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "train.json").write_text('{"images": [], "annotations": [], "categories": [], "mine": 1}')
+    assert main(["--out", str(mine), "--train", "2", "--val", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --out {mine}: {mine / 'train.json'} is not a file this generator wrote; the shapes set "
+                   "would replace it: choose a new or empty folder"), err
+    assert json.loads((mine / "train.json").read_text())["mine"] == 1 and sorted(os.listdir(mine)) == ["train.json"]
+
+    out = tmp_path / "o"
+    args = ["--out", str(out), "--train", "2", "--val", "1", "--min-side", "64", "--max-side", "70"]
+    assert main(args) == 0 and "wrote 2 train and 1 val images" in capsys.readouterr().out
+    (out / "notes.txt").write_text("mine")
+    before = _files(out)
+    assert main(args) == 0 and "holds the shapes set of these settings already" in capsys.readouterr().out
+    assert _files(out) == before
+    assert main([*args, "--seed", "9"]) == 0
+    tag = settings_tag(json.loads((out / "shapes_params.json").read_text()))
+    assert sorted(p.name for p in (out / "train").iterdir()) == [f"{tag}_000001.jpg", f"{tag}_000002.jpg"]
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_an_existing_empty_folder_is_generated_into(tmp_path):
+    """data.train.root made beforehand (mkdir), empty or with other files only: it was
+    'used as it is', and training stopped at 'annotation file not found'."""
+    for name, extra in (("empty", None), ("other_files", "readme.txt")):
+        root = tmp_path / name
+        root.mkdir()
+        if extra:
+            (root / extra).write_text("mine")
+        ensure_shapes(root, 3, 1, seed=0, min_side=64, max_side=80)
+        assert len(json.loads((root / "train.json").read_text())["images"]) == 3
+        assert not extra or (root / extra).read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and "tmp" in p.name]
 
 
 def test_bad_sides(tmp_path):

@@ -18,8 +18,8 @@ import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bo
 
 from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config.schema import ShapesConfig  # noqa: E402
-from detector.data.shapes import generate_shapes  # noqa: E402
-from detector.files import output_folder  # noqa: E402
+from detector.data.shapes import ensure_shapes, folder_state, shapes_params  # noqa: E402
+from detector.files import OutputError, output_folder  # noqa: E402
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -50,8 +50,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def make(args: argparse.Namespace) -> int:
-    output_folder(args.out, "--out")  # (a file there was "[Errno 17] File exists")
-    out = generate_shapes(args.out, args.train, args.val, args.seed, args.min_side, args.max_side)
+    out = output_folder(args.out, "--out")  # (a file there was "[Errno 17] File exists")
+    settings = shapes_params(args.train, args.val, args.seed, args.min_side, args.max_side)
+    state, reason = folder_state(out, settings)
+    if state == "foreign":  # someone's own annotations: written over before, without a word
+        raise OutputError(f"--out {out}: {reason}; the shapes set would replace it: choose a new or empty folder")
+    if state == "current":
+        print(f"{out} holds the shapes set of these settings already ({args.train} train and {args.val} val images)")
+        return 0
+    ensure_shapes(out, args.train, args.val, args.seed, args.min_side, args.max_side)
     print(f"wrote {args.train} train and {args.val} val images to {out}")
     return 0
 

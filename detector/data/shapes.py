@@ -234,13 +234,13 @@ def generate_split(out: Path, split: str, num_images: int, seed: int, min_side: 
     return ann_file
 
 
-def _params(num_train: int, num_val: int, seed: int, min_side: int, max_side: int) -> Dict[str, int]:
+def shapes_params(num_train: int, num_val: int, seed: int, min_side: int, max_side: int) -> Dict[str, int]:
     return {"version": GENERATOR_VERSION, "num_train": int(num_train), "num_val": int(num_val), "seed": int(seed),
             "min_side": int(min_side), "max_side": int(max_side)}
 
 
 def settings_tag(params: Dict[str, int]) -> str:
-    """8 hex digits that stand for ``params`` (``_params``): the image names' prefix."""
+    """8 hex digits that stand for ``params`` (``shapes_params``): the image names' prefix."""
     return hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -251,7 +251,7 @@ def generate_shapes(out: str | os.PathLike, num_train: int, num_val: int, seed: 
     recording how they were made."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    params = _params(num_train, num_val, seed, min_side, max_side)
+    params = shapes_params(num_train, num_val, seed, min_side, max_side)
     written = []
     for split, count in (("train", num_train), ("val", num_val)):
         ann_file = generate_split(out, split, count, seed, min_side, max_side, prefix=f"{settings_tag(params)}_")
@@ -262,26 +262,36 @@ def generate_shapes(out: str | os.PathLike, num_train: int, num_val: int, seed: 
     return out
 
 
-def _stale_reason(root: Path, wanted: Dict[str, int]) -> Optional[str]:
-    """Why an existing folder written by this generator does not match ``wanted``
-    (None when it matches, or when it is not a generated shapes folder at all)."""
+SPLIT_FILES = ("train.json", "val.json")  # what a folder of COCO data names as this generator does
+
+
+def folder_state(root: Path, wanted: Dict[str, int]) -> Tuple[str, Optional[str]]:
+    """What ``root`` is to the generator asked for ``wanted`` (``shapes_params``), and why:
+
+    - ``"current"``: it wrote the folder with these settings;
+    - ``"stale"``: it wrote it with other settings, or an older generator did (the reason);
+    - ``"foreign"``: a split JSON (``train.json``, ``val.json``) it did not write is there:
+      someone's own data, never written over;
+    - ``"empty"``: the folder is missing, or holds nothing the generator writes.
+    """
     params_file = root / PARAMS_FILE
     if params_file.is_file():
         try:
             have = json.loads(params_file.read_text())
         except ValueError:
-            return f"{params_file} is not valid JSON"
+            return "stale", f"{params_file} is not valid JSON"
         if have != wanted:
             diff = ", ".join(f"{k}: {have.get(k)} -> {v}" for k, v in wanted.items() if have.get(k) != v)
-            return f"it was generated with other settings ({diff})"
-        return None
+            return "stale", f"it was generated with other settings ({diff})"
+        return "current", None
     try:
         info = json.loads((root / "train.json").read_text()).get("info", {})
     except (OSError, ValueError, AttributeError):
-        return None
+        info = None
     if isinstance(info, dict) and info.get("description") == "detector shapes demo set":
-        return "it was written by an older version of the generator"
-    return None
+        return "stale", "it was written by an older version of the generator"
+    taken = [name for name in SPLIT_FILES if (root / name).exists()]
+    return ("foreign", f"{root / taken[0]} is not a file this generator wrote") if taken else ("empty", None)
 
 
 @contextlib.contextmanager
@@ -306,24 +316,26 @@ def ensure_shapes(root: str | os.PathLike, num_train: int, num_val: int, seed: i
                   min_side: int = 96, max_side: int = 224) -> Path:
     """Generate the shapes set at ``root`` unless it is there with these settings.
 
-    A folder this generator wrote with other settings (or an older generator version) is
-    regenerated, with a warning: the files it wrote (``shapes_files.txt``) are replaced,
-    and anything else in the folder is left alone; a folder it did not write is used as
-    it is. The new images have other names (``settings_tag``), so a run that still reads
-    the old set stops with the name of a file that is gone, never pairs a new image with
-    an old image's boxes. Generation
-    happens in a temporary sibling folder that then replaces ``root``, under a file lock,
-    so several processes (ranks) starting at once generate it once.
+    By ``folder_state``: a missing or empty folder (or one that holds only other files)
+    is generated into; a folder this generator wrote with other settings (or an older
+    generator version) is regenerated, with a warning: the files it wrote
+    (``shapes_files.txt``) are replaced, and anything else in the folder is left alone; a
+    folder whose split JSONs it did not write is used as it is. The new images have
+    other names (``settings_tag``), so a run that still reads the old set stops with the
+    name of a file that is gone, never pairs a new image with an old image's boxes.
+    Generation happens in a temporary sibling folder whose files then move into
+    ``root``, under a file lock, so several processes (ranks) starting at once generate
+    it once.
     """
     root = Path(root)
-    wanted = _params(num_train, num_val, seed, min_side, max_side)
-    if root.exists() and _stale_reason(root, wanted) is None:
+    wanted = shapes_params(num_train, num_val, seed, min_side, max_side)
+    if folder_state(root, wanted)[0] in ("current", "foreign"):
         return root
     with _folder_lock(root):
-        if root.exists():
-            reason = _stale_reason(root, wanted)
-            if reason is None:
-                return root  # another process made it meanwhile, or not ours to touch
+        state, reason = folder_state(root, wanted)
+        if state in ("current", "foreign"):
+            return root  # another process made it meanwhile, or not ours to touch
+        if state == "stale":
             logger.warning("regenerating the shapes data set at %s: %s (a run still reading the old set stops at "
                            "its next image: its files are gone)", root, reason)
         else:
@@ -334,7 +346,8 @@ def ensure_shapes(root: str | os.PathLike, num_train: int, num_val: int, seed: i
             shutil.rmtree(tmp)
         generate_shapes(tmp, num_train, num_val, seed, min_side, max_side)
         if root.exists():
-            _remove_generated(root)
+            if state == "stale":
+                _remove_generated(root)
             _move_generated(tmp, root)
         else:
             os.rename(tmp, root)
