@@ -64,6 +64,26 @@ def test_random_sets_match_torchvision(seed):
         assert ours(boxes, scores, thr, max_out, valid) == reference(boxes, scores, thr, max_out, valid)
 
 
+@pytest.mark.parametrize("threshold", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("seed", range(4))
+def test_degenerate_boxes_extreme_thresholds_and_signed_scores_match_torchvision(seed, threshold):
+    """Variants the random sets above leave out: zero-width or zero-height boxes (IoU 0
+    with everything, itself included), thresholds at the ends of [0, 1] (0: any overlap
+    suppresses; 1: nothing does, not even an identical box), every score equal, and
+    negative scores of large magnitude."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    num = int(torch.randint(1, 300, (1,), generator=gen))
+    boxes = random_boxes(gen, 2, num)
+    flat = torch.rand(2, num, generator=gen) < 0.3
+    boxes[..., 2] = torch.where(flat, boxes[..., 0], boxes[..., 2])  # zero width
+    boxes[:, : num // 4, 3] = boxes[:, : num // 4, 1]  # zero height
+    boxes[:, num // 2:] = boxes[:, : num - num // 2].clone() if seed % 2 else boxes[:, num // 2:]  # identical boxes
+    scores = [torch.full((2, num), 0.5), -torch.rand(2, num, generator=gen) * 1e6,
+              torch.randint(0, 3, (2, num), generator=gen).float(), torch.rand(2, num, generator=gen)][seed]
+    for max_out in (num, 1, num + 5):
+        assert ours(boxes, scores, threshold, max_out) == reference(boxes, scores, threshold, max_out)
+
+
 def test_identical_boxes_and_equal_scores_keep_the_first():
     boxes = torch.tensor([[[0, 0, 10, 10], [20, 20, 30, 30], [0, 0, 10, 10], [0, 0, 10, 10.0]]])
     scores = torch.full((1, 4), 0.5)
