@@ -242,12 +242,14 @@ def _check_model_keys(cfg: Config) -> None:
     if any(s <= 0 for s in model.pixel_std):
         raise ConfigError(f"config key 'model.pixel_std' must be positive, got {model.pixel_std}")
     d = model.size_divisibility
-    for canvas in model.canvas_sizes:
+    for k, canvas in enumerate(model.canvas_sizes):
         if len(canvas) != 2 or any(v <= 0 or v % d for v in canvas):
             raise ConfigError(
                 f"config key 'model.canvas_sizes' takes [height, width] pairs that are positive multiples of "
                 f"model.size_divisibility ({d}), got {canvas}"
             )
+        if list(canvas) in [list(c) for c in model.canvas_sizes[:k]]:  # a second compile and graph of one shape
+            raise ConfigError(f"config key 'model.canvas_sizes' names {list(canvas)} twice")
     if cfg.train.compile_backbone and not model.canvas_sizes:
         raise ConfigError(
             "config key 'train.compile_backbone' needs 'model.canvas_sizes' (fixed batch shapes): without them every "
