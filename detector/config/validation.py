@@ -233,14 +233,11 @@ def validate_config(cfg: Config) -> None:
 # --------------------------------------------------------------------------- rules
 
 
-def _check_model_keys(cfg: Config) -> None:
-    """``validate_config``'s rules for ``model.*`` lists (and ``train.compile_backbone``,
-    which needs fixed canvases)."""
+def _check_canvas_keys(cfg: Config) -> None:
+    """``model.canvas_sizes`` (distinct [height, width] multiples of the divisibility) and
+    the keys that need them (``train.compile_backbone``, ``train.static_step``, and
+    ``train.cuda_graphs`` on the static step)."""
     model = cfg.model
-    if len(model.pixel_mean) != 3 or len(model.pixel_std) != 3:
-        raise ConfigError("config keys 'model.pixel_mean' and 'model.pixel_std' need 3 values (RGB)")
-    if any(s <= 0 for s in model.pixel_std):
-        raise ConfigError(f"config key 'model.pixel_std' must be positive, got {model.pixel_std}")
     d = model.size_divisibility
     for k, canvas in enumerate(model.canvas_sizes):
         if len(canvas) != 2 or any(v <= 0 or v % d for v in canvas):
@@ -259,6 +256,17 @@ def _check_model_keys(cfg: Config) -> None:
         raise ConfigError("config key 'train.static_step' needs 'model.canvas_sizes' (the static step's batch shapes)")
     if cfg.train.cuda_graphs and not cfg.train.static_step:
         raise ConfigError("config key 'train.cuda_graphs' needs 'train.static_step: true'")
+
+
+def _check_model_keys(cfg: Config) -> None:
+    """``validate_config``'s rules for ``model.*`` lists (the canvases and the keys that
+    need them: ``_check_canvas_keys``)."""
+    model = cfg.model
+    if len(model.pixel_mean) != 3 or len(model.pixel_std) != 3:
+        raise ConfigError("config keys 'model.pixel_mean' and 'model.pixel_std' need 3 values (RGB)")
+    if any(s <= 0 for s in model.pixel_std):
+        raise ConfigError(f"config key 'model.pixel_std' must be positive, got {model.pixel_std}")
+    _check_canvas_keys(cfg)
     if model.norm == "gn":  # GroupNorm(min(groups, c), c) needs c divisible by its groups
         widths = [64, 128, 256, 512] + ([1024, 2048] if model.backbone in ("resnet50", "resnet101") else [])
         bad = sorted({c for c in (*widths, model.fpn_channels) if c % min(model.gn_groups, c)})
