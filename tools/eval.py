@@ -88,7 +88,9 @@ def check_outputs_apart(args: argparse.Namespace, written: Sequence[str]) -> Non
     evaluation's ``detections.json`` into its own folder replaced the file being scored."""
     if not args.output_dir:
         return
-    names = [*written, *(f"analysis/{n}" for n in ("analysis.json", "analysis.csv", "analysis.png") if args.analysis)]
+    from detector.evaluation.analysis import ANALYSIS_FILES
+
+    names = [*written, *(f"analysis/{n}" for n in ANALYSIS_FILES if args.analysis)]
     check_writes_apart({f"--output-dir's {name}": Path(args.output_dir) / name for name in names},
                        {"--predictions": args.predictions, "--annotations": args.annotations,
                         "--weights": args.weights, "--config": args.config})

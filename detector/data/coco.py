@@ -51,7 +51,7 @@ def _coco_subset(names_by_id: Dict[Any, str], class_names: Sequence[str], ann_fi
     return out
 
 
-def _check_names_apart(names_by_id: Dict[Any, str], cat_ids: Sequence[Any], ann_file: str) -> None:
+def _check_names_given(names_by_id: Dict[Any, str], cat_ids: Sequence[Any], ann_file: str) -> None:
     """Each category in use (``cat_ids``) has a name: labels are known by their names in
     results, per-class metrics, drawn pictures and the class checks. (A name two
     categories share is accepted: the class checks then compare by id order, see
@@ -94,13 +94,13 @@ def coco_label_map(
       ``unused_<id>`` and are not in ``label_to_category_id`` (nor evaluated).
 
     Raises:
-        DataError: a category in use with an empty name (``_check_names_apart``);
+        DataError: a category in use with an empty name (``_check_names_given``);
             with ``category_id``, a category id in use that is not an integer >= 1,
             or ids so sparse that the labels would be mostly unused (the largest id above
             both ``MAX_UNUSED_PER_CATEGORY`` times the ids in use and ``MIN_SPARSE_CATEGORY_ID``).
     """
     cat_ids = _coco_subset(names_by_id, class_names, ann_file) if class_names else list(names_by_id)
-    _check_names_apart(names_by_id, cat_ids, ann_file)
+    _check_names_given(names_by_id, cat_ids, ann_file)
     if label_space == "contiguous":
         return [names_by_id[c] for c in cat_ids], {i + 1: int(c) for i, c in enumerate(cat_ids)}, cat_ids
     for c in cat_ids:

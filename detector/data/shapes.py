@@ -252,9 +252,10 @@ def generate_shapes(out: str | os.PathLike, num_train: int, num_val: int, seed: 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     params = shapes_params(num_train, num_val, seed, min_side, max_side)
+    prefix = f"{settings_tag(params)}_"
     written = []
     for split, count in (("train", num_train), ("val", num_val)):
-        ann_file = generate_split(out, split, count, seed, min_side, max_side, prefix=f"{settings_tag(params)}_")
+        ann_file = generate_split(out, split, count, seed, min_side, max_side, prefix=prefix)
         written += [f"{split}/{img['file_name']}" for img in json.loads(ann_file.read_text())["images"]]
         written.append(ann_file.name)
     (out / MANIFEST_FILE).write_text("".join(f"{name}\n" for name in written))

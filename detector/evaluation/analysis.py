@@ -252,6 +252,10 @@ def analysis_summary(analysis: ErrorAnalysis, class_names: Dict[int, str]) -> Di
     }
 
 
+# The files write_analysis writes (beside the worst_images/ folder).
+ANALYSIS_FILES = ("analysis.json", "analysis.csv", "analysis.png")
+
+
 def write_analysis(analysis: ErrorAnalysis, gt: Dict[str, Any], results: Any, output_dir: str | Path,
                    num_images: int = 10, image_dir: Optional[str | Path] = None) -> Dict[str, Path]:
     """Write ``analysis.json``, ``analysis.csv`` (one row per class), ``analysis.png``
@@ -262,9 +266,8 @@ def write_analysis(analysis: ErrorAnalysis, gt: Dict[str, Any], results: Any, ou
     out.mkdir(parents=True, exist_ok=True)
     names = {int(c["id"]): str(c.get("name", c["id"])) for c in gt["categories"]}
     summary = analysis_summary(analysis, names)
-    json_path = out / "analysis.json"
+    json_path, csv_path, plot_path = (out / name for name in ANALYSIS_FILES)
     write_json(json_path, summary)
-    csv_path = out / "analysis.csv"
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["category_id", "name", "tp", *ERROR_TYPES])
         writer.writeheader()
@@ -272,7 +275,7 @@ def write_analysis(analysis: ErrorAnalysis, gt: Dict[str, Any], results: Any, ou
         for row in summary["per_class"]:
             writer.writerow(row)
     paths = {"analysis_json": json_path, "analysis_csv": csv_path,
-             "analysis_plot": plot_error_breakdown(analysis, out / "analysis.png")}
+             "analysis_plot": plot_error_breakdown(analysis, plot_path)}
     draw_worst_images(analysis, gt, results, out / "worst_images", num_images, image_dir)
     paths["worst_images"] = out / "worst_images"
     return paths
