@@ -14,6 +14,7 @@ stops then depends on timing, and the final weights must not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -91,17 +92,21 @@ def wait_for_iteration(metrics: Path, k: int, proc: subprocess.Popen) -> None:
 
 
 def worker_pid(agent: int, rank: int) -> int:
-    """PID of the process with ``RANK=rank`` among the descendants of ``agent``."""
+    """PID of the process with ``RANK=rank`` among the descendants of ``agent``. A thread
+    or process that ends while it is read (a loader worker, a gloo thread) is passed over."""
     todo = [agent]
     while todo:
         pid = todo.pop()
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        if pid != agent:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                    return pid
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            if pid != agent:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                        return pid
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     raise AssertionError(f"no process with RANK={rank} under {agent}")
 
 
