@@ -191,6 +191,10 @@ def _expand_home(cfg: Any) -> None:
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             _expand_home(value)
+        elif isinstance(value, list):
+            for item in value:
+                if dataclasses.is_dataclass(item):
+                    _expand_home(item)
         elif f.metadata.get("path") and isinstance(value, str) and value.startswith("~"):
             setattr(cfg, f.name, os.path.expanduser(value))
 

@@ -172,6 +172,10 @@ class ShapesConfig:
 class DataConfig:
     format: str = field_("shapes", choices=("coco", "voc", "shapes"))
     train: SplitConfig = field(default_factory=SplitConfig)
+    # More training sets of data.format, trained on with data.train as one set (VOC
+    # 2007+2012 trainval, the paper's "07+12"; or COCO plus one's own COCO file): each
+    # {root, ann_file, split} as data.train; the same classes in each (data.class_names).
+    train_extra: List[SplitConfig] = field(default_factory=list)
     val: SplitConfig = field(default_factory=SplitConfig)
     # The classes to train on, in label order 1..K: VOC class names (default VOC's 20) or
     # COCO category names (default every category of the JSON). A subset trains on

@@ -8,14 +8,15 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
-from detector.config import Config, ConfigError
+from detector.config import Config, ConfigError, SplitConfig
 from detector.distributed import get_world_size
 from detector.files import missing_file_state
 from detector.messages import shown_path
 
 from .coco import CocoDetection
+from .concat import concat_datasets
 from .dataset import DetectionDataset
 from .files import DataError
 from .record_cache import RecordCache
@@ -42,22 +43,34 @@ def _need_file(key: str, path: Path, what: str) -> None:
         raise DataError(f"{key}: {what} {path} {state}")
 
 
+def split_sources(cfg: Config, split: str) -> List[Tuple[str, SplitConfig]]:
+    """``(config key, SplitConfig)`` of each set that ``split`` reads: ``data.val``; or
+    ``data.train`` then each ``data.train_extra[i]`` (trained on as one set)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if split == "val":
+        return [("data.val", cfg.data.val)]
+    extra = [(f"data.train_extra[{i}]", sc) for i, sc in enumerate(cfg.data.train_extra)]
+    return [("data.train", cfg.data.train), *extra]
+
+
 def check_data_paths(cfg: Config, split: str) -> None:
     """Check, without reading them, that the folders and files of ``cfg.data.<split>``
-    exist: COCO's image folder and instances JSON; VOC's year folder with
-    ``ImageSets/Main/<split>.txt``, ``Annotations/`` and ``JPEGImages/``. (The shapes set
-    is generated when missing.)
+    (and, for "train", of each ``data.train_extra`` entry) exist: COCO's image folder and
+    instances JSON; VOC's year folder with ``ImageSets/Main/<split>.txt``,
+    ``Annotations/`` and ``JPEGImages/``. (The shapes set is generated when missing.)
 
     Raises:
         DataError: one line naming the config key and the path.
     """
-    if split not in ("train", "val"):
-        raise ValueError(f"check_data_paths: split must be 'train' or 'val', got {split!r}")
     fmt = cfg.data.format
-    sc = getattr(cfg.data, split)
-    key = f"data.{split}"
     if fmt not in FORMATS:
         raise ConfigError(f"config key 'data.format' must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    for key, sc in split_sources(cfg, split):
+        _check_source_paths(fmt, key, sc, split)
+
+
+def _check_source_paths(fmt: str, key: str, sc: SplitConfig, split: str) -> None:
     if not sc.root:
         raise DataError(f"{key}.root is empty: set it to the {fmt} data folder")
     root = Path(sc.root)
@@ -149,36 +162,42 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     through a memory-mapped file (``record_cache``); in a distributed run every rank must
     call this function (it holds a collective).
 
+    ``data.train_extra`` (training): more sets of ``data.format``, read as ``data.train``
+    and joined with it into one set (``concat.concat_datasets``: the same classes in each,
+    no image in two).
+
     Raises:
         DataError / FileNotFoundError: a missing path (see ``check_data_paths``) or bad data.
     """
-    if split not in ("train", "val"):
-        raise ValueError(f"build_dataset: split must be 'train' or 'val', got {split!r}")
     check_data_paths(cfg, split)
-    data = cfg.data
-    sc = getattr(data, split)
     transforms = build_transforms(cfg, is_train, seed=cfg.train.seed)
+    parts = [(key, _build_source(cfg, key, sc, split, is_train)) for key, sc in split_sources(cfg, split)]
+    return _ready(concat_datasets(parts, transforms), cfg, split, is_train)
+
+
+def _build_source(cfg: Config, key: str, sc: SplitConfig, split: str, is_train: bool) -> DetectionDataset:
+    """The data set of one ``SplitConfig`` (``key``: its config key), without transforms."""
+    data = cfg.data
     filter_empty = bool(data.filter_empty and is_train)
     names = list(data.class_names) or None
     cache = record_cache(cfg)
     if data.format == "coco":
-        dataset: DetectionDataset = CocoDetection(sc.root, sc.ann_file, transforms=transforms, filter_empty=filter_empty,
+        dataset: DetectionDataset = CocoDetection(sc.root, sc.ann_file, filter_empty=filter_empty,
                                                   use_difficult=data.use_difficult, class_names=names,
                                                   label_space=data.label_space, cache=cache)
-        return _ready(_check_first_images(dataset, f"data.{split}.root"), cfg, split, is_train)
+        return _check_first_images(dataset, f"{key}.root")
     if data.format == "voc":
-        dataset = VOCDetection(sc.root, sc.split or split, class_names=names, transforms=transforms,
-                               filter_empty=filter_empty, use_difficult=data.use_difficult, require_every_class=is_train)
-        return _ready(_check_first_images(dataset, f"data.{split}.root"), cfg, split, is_train)
+        dataset = VOCDetection(sc.root, sc.split or split, class_names=names, filter_empty=filter_empty,
+                               use_difficult=data.use_difficult, require_every_class=is_train)
+        return _check_first_images(dataset, f"{key}.root")
     s = data.shapes
     root = ensure_shapes(sc.root, s.num_train, s.num_val, s.seed, s.min_side, s.max_side)
     name = sc.split or split
     # Each format reads its own keys only: a shapes folder's annotations are <root>/<split>.json,
     # whatever data.<split>.ann_file (a COCO key, e.g. inherited from a COCO base config) says.
-    dataset = CocoDetection(Path(root) / name, Path(root) / f"{name}.json", transforms=transforms,
-                            filter_empty=filter_empty, use_difficult=data.use_difficult, class_names=names,
-                            label_space=data.label_space, cache=cache)
-    return _ready(dataset, cfg, split, is_train)
+    return CocoDetection(Path(root) / name, Path(root) / f"{name}.json", filter_empty=filter_empty,
+                         use_difficult=data.use_difficult, class_names=names, label_space=data.label_space,
+                         cache=cache)
 
 
 def _ready(dataset: DetectionDataset, cfg: Config, split: str, is_train: bool) -> DetectionDataset:

@@ -22,7 +22,7 @@ from detector.config import Config, ConfigError
 from detector.files import missing_file_state
 from detector.messages import first_line
 
-from .build import build_dataset, check_data_paths
+from .build import build_dataset, check_data_paths, split_sources
 from .classes import check_val_classes, resolve_class_names
 from .coco import parse_coco
 from .dataset import ImageRecord, Issues, fraction_coordinates_problem, other_classes_text
@@ -218,6 +218,30 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
         "large (>= 96^2)": sum(1 for a in box_sizes if a >= 96**2),
     }
     return report
+
+
+def check_datasets(cfg: Config, split: str = "train", decode: bool = True) -> List[CheckReport]:
+    """``check_dataset`` of each set that ``split`` reads, one report each: ``data.val``;
+    ``data.train`` and each ``data.train_extra`` entry, whose source line names its key;
+    an extra set whose classes differ from ``data.train``'s (training refuses it) holds
+    that error. A missing path of any set: one report holding that error."""
+    if split == "val" or not cfg.data.train_extra:
+        return [check_dataset(cfg, split, decode)]
+    try:
+        check_data_paths(cfg, split)
+    except (DataError, ConfigError) as exc:
+        return [CheckReport(source=describe_source(cfg, split), errors=[str(exc)])]
+    reports = []
+    for key, sc in split_sources(cfg, split):
+        report = check_dataset(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=sc, train_extra=[])),
+                               split, decode)
+        report.source = f"{key}: {report.source}"
+        first = list(reports[0].per_class) if reports else list(report.per_class)
+        if list(report.per_class) != first:
+            report.errors.append(f"{key}: its classes {list(report.per_class)} are not data.train's {first} (one "
+                                 "label, one class: training refuses them); set data.class_names")
+        reports.append(report)
+    return reports
 
 
 def format_report(report: CheckReport) -> str:

@@ -125,6 +125,20 @@ class RecordStore:
         out["path_bytes"] = a["path_bytes"][_ranges(pstarts, pends)]
         return RecordStore(out)
 
+    @classmethod
+    def concatenate(cls, stores: Sequence["RecordStore"], id_offsets: Sequence[int]) -> "RecordStore":
+        """One store of ``stores``' images, one store after another, each store's image
+        ids plus its entry of ``id_offsets`` (int, one per store)."""
+        if not stores or len(id_offsets) != len(stores):
+            raise ValueError("RecordStore.concatenate: one id offset per store, and at least one store")
+        out = {name: np.concatenate([s.arrays[name] for s in stores]) for name in (*BOX_FIELDS, "widths", "heights",
+                                                                                   "path_bytes")}
+        out["image_ids"] = np.concatenate([s.arrays["image_ids"] + off for s, off in zip(stores, id_offsets)])
+        for name, total in (("box_start", "labels"), ("path_start", "path_bytes")):
+            bases = np.cumsum([0] + [len(s.arrays[total]) for s in stores[:-1]])
+            out[name] = np.concatenate([[0]] + [s.arrays[name][1:] + b for s, b in zip(stores, bases)]).astype(np.int64)
+        return cls(out)
+
     # ------------------------------------------------------------------ files
     def save(self, folder: Union[str, os.PathLike]) -> None:
         """Write each array to ``folder/<name>.npy`` (the folder must exist)."""
