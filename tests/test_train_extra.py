@@ -14,8 +14,11 @@ import pytest
 import torch
 
 from conftest import load_tool
+from detector.config import ConfigError, load_config
 from detector.data import DataError, build_dataset
-from detector.data.records import RecordStore
+from detector.data.concat import check_every_class
+from detector.data.dataset import DetectionDataset
+from detector.data.records import ImageRecord, RecordStore
 
 
 @pytest.fixture
@@ -179,3 +182,33 @@ def test_voc_sets_of_one_year_folder_join(real_data, tiny_cfg, tmp_path):
     with pytest.raises(DataError, match=r"is in data\.train and in data\.train_extra\[0\]"):
         build_dataset(tiny_cfg(*voc, "data.train.split=a", f"data.train_extra=[{{root: '{root}', split: a}}]"),
                       "train", is_train=True)
+    # A class subset needs objects in the joined set, not in each: a class only in b's images.
+    labels = [set(whole.get_annotation(i)["labels"].tolist()) for i in range(len(whole))]
+    only = next(lab for lab in range(1, 21) if 0 < sum(lab in x for x in labels) < len(labels))
+    name = whole.class_names[only - 1]
+    with_it = [ids[i] for i in range(100) if only in labels[i]]
+    (root / "ImageSets" / "Main" / "a.txt").write_text("\n".join(i for i in ids if i not in with_it) + "\n")
+    (root / "ImageSets" / "Main" / "b.txt").write_text("\n".join(with_it) + "\n")
+    subset = [*voc[:-1], f"data.class_names=[{name}]", "data.train.split=a"]
+    with pytest.raises(DataError, match=f"data.class_names: '{name}' has no object in {root} \\(a\\)"):
+        build_dataset(tiny_cfg(*subset), "train", is_train=True)  # one set: refused, as before
+    joined = build_dataset(tiny_cfg(*subset, f"data.train_extra=[{{root: '{root}', split: b}}]"), "train", True)
+    alone = build_dataset(tiny_cfg(*subset[:-1], "data.train.split=all"), "train", is_train=True)
+    assert len(joined) == len(alone) == 100 and joined.num_training_boxes() == alone.num_training_boxes() > 0
+
+
+def test_the_joined_set_must_hold_every_listed_voc_class(tmp_path):
+    """``check_every_class`` on a joined set without one class: one line naming the keys."""
+    boxes = np.array([[0, 0, 4, 4]], np.float32)
+    record = ImageRecord(1, str(tmp_path / "a.jpg"), 8, 8, boxes, np.array([1]), np.zeros(1, bool),
+                         np.zeros(1, bool), np.array([1]), np.array([16], np.float32))
+    dataset = DetectionDataset([record], ["cat", "dog"], {1: 1, 2: 2})
+    with pytest.raises(DataError, match=r"^data\.class_names: 'dog' has no object in the training sets "
+                                        r"\(data\.train, data\.train_extra\[0\]\)$"):
+        check_every_class(dataset, ["data.train", "data.train_extra[0]"])
+
+
+def test_shapes_data_takes_no_extra_sets(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config key 'data\.train_extra' joins coco or voc training sets"):
+        load_config(Path(__file__).parent / "configs" / "tiny.yaml",
+                    ["data.format=shapes", f"data.train_extra=[{{root: '{tmp_path}'}}]"])

@@ -16,7 +16,7 @@ from detector.files import missing_file_state
 from detector.messages import shown_path
 
 from .coco import CocoDetection
-from .concat import concat_datasets
+from .concat import check_every_class, concat_datasets
 from .dataset import DetectionDataset
 from .files import DataError
 from .record_cache import RecordCache
@@ -171,12 +171,20 @@ def build_dataset(cfg: Config, split: str, is_train: bool) -> DetectionDataset:
     """
     check_data_paths(cfg, split)
     transforms = build_transforms(cfg, is_train, seed=cfg.train.seed)
-    parts = [(key, _build_source(cfg, key, sc, split, is_train)) for key, sc in split_sources(cfg, split)]
-    return _ready(concat_datasets(parts, transforms), cfg, split, is_train)
+    sources = split_sources(cfg, split)
+    # A VOC class subset must have objects in the training set: in the joined one, where several.
+    every_class = is_train and len(sources) == 1
+    parts = [(key, _build_source(cfg, key, sc, split, is_train, every_class)) for key, sc in sources]
+    dataset = concat_datasets(parts, transforms)
+    if is_train and len(parts) > 1 and cfg.data.format == "voc" and cfg.data.class_names:
+        check_every_class(dataset, [key for key, _ in parts])
+    return _ready(dataset, cfg, split, is_train)
 
 
-def _build_source(cfg: Config, key: str, sc: SplitConfig, split: str, is_train: bool) -> DetectionDataset:
-    """The data set of one ``SplitConfig`` (``key``: its config key), without transforms."""
+def _build_source(cfg: Config, key: str, sc: SplitConfig, split: str, is_train: bool,
+                  every_class: bool) -> DetectionDataset:
+    """The data set of one ``SplitConfig`` (``key``: its config key), without transforms;
+    ``every_class``: a VOC class subset must have objects in it."""
     data = cfg.data
     filter_empty = bool(data.filter_empty and is_train)
     names = list(data.class_names) or None
@@ -188,7 +196,7 @@ def _build_source(cfg: Config, key: str, sc: SplitConfig, split: str, is_train: 
         return _check_first_images(dataset, f"{key}.root")
     if data.format == "voc":
         dataset = VOCDetection(sc.root, sc.split or split, class_names=names, filter_empty=filter_empty,
-                               use_difficult=data.use_difficult, require_every_class=is_train)
+                               use_difficult=data.use_difficult, require_every_class=every_class)
         return _check_first_images(dataset, f"{key}.root")
     s = data.shapes
     root = ensure_shapes(sc.root, s.num_train, s.num_val, s.seed, s.min_side, s.max_side)

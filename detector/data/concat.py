@@ -86,6 +86,18 @@ def _id_offsets(parts: Sequence[Tuple[str, DetectionDataset]]) -> list:
     return offsets
 
 
+def check_every_class(dataset: DetectionDataset, keys: Sequence[str]) -> None:
+    """A joined training set holds an object of every class (``data.class_names`` of VOC
+    data: each set alone need not).
+
+    Raises:
+        DataError: the first class without an object, naming the sets' keys."""
+    present = set(np.unique(dataset.records.arrays["labels"]).tolist())
+    missing = [name for label, name in enumerate(dataset.class_names, start=1) if label not in present]
+    if missing:
+        raise DataError(f"data.class_names: {missing[0]!r} has no object in the training sets ({', '.join(keys)})")
+
+
 def concat_datasets(parts: Sequence[Tuple[str, DetectionDataset]],
                     transforms: Optional[Transform] = None) -> DetectionDataset:
     """One training set of ``parts``, ``(config key, data set)`` pairs (``data.train``
