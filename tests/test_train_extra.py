@@ -89,6 +89,9 @@ def test_overlapping_image_ids_are_shifted_apart(halves, tiny_cfg, caplog):
     ids = joined.image_ids
     assert len(set(ids)) == len(ids) == len(full)
     assert "data.train_extra[0]" in caplog.text and "shifted by" in caplog.text
+    half = len(full) // 2
+    assert (f"training sets joined: data.train {half} images, data.train_extra[0] {len(full) - half} images: "
+            f"{len(full)} images, {full.records.num_boxes} boxes") in caplog.text
     assert np.array_equal(joined.records.arrays["boxes"], full.records.arrays["boxes"])
 
 

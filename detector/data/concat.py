@@ -122,4 +122,6 @@ def concat_datasets(parts: Sequence[Tuple[str, DetectionDataset]],
                               source=" + ".join(d.source for _, d in parts),
                               images_before_filter=sum(d.num_images_before_filter for _, d in parts))
     joined.label_space = first.label_space
+    logger.info("training sets joined: %s: %d images, %d boxes",
+                ", ".join(f"{key} {len(d)} images" for key, d in parts), len(joined), store.num_boxes)
     return joined
