@@ -89,7 +89,8 @@ def test_a_model_file_of_another_format_is_named_as_such(tmp_path):
         warnings.simplefilter("ignore")  # torch.jit.script is deprecated
         torch.jit.script(torch.nn.Linear(2, 2)).save(tmp_path / "model.pt")
     (tmp_path / "model_onnx.pth").write_bytes(b"\x08\x08\x12\x07pytorch\x1a\x062.14.1:" + bytes(64))
-    (tmp_path / "model.onnx").write_bytes(b"not even protobuf")
+    (tmp_path / "model.onnx").write_bytes(b"\x08\x07\x12\x05other" + bytes(16))  # another producer's ONNX
+    (tmp_path / "bad.onnx").write_bytes(b"not even protobuf")
     header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
     (tmp_path / "w.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
     (tmp_path / "noise.pth").write_bytes(b"\x01\x02" * 40)
@@ -98,6 +99,7 @@ def test_a_model_file_of_another_format_is_named_as_such(tmp_path):
                     "checkpoint it was exported from, or run it with torch.jit.load",
         "model_onnx.pth": "an ONNX model (as tools/export.py --format onnx writes), not weights",
         "model.onnx": "an ONNX model",
+        "bad.onnx": "named as an ONNX model (.onnx) but not one either (corrupt or truncated?)",
         "w.safetensors": "a safetensors file, not a torch.save file: save its tensors with torch.save(",
         "noise.pth": "not a PyTorch weights file (corrupt, or another format)",
     }

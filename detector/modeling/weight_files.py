@@ -46,9 +46,13 @@ def _other_format(path: Path) -> Optional[str]:
     if len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
         return ("a safetensors file, not a torch.save file: save its tensors with torch.save("
                 "safetensors.torch.load_file(path), 'weights.pth') and give that")
-    if path.suffix.lower() == ".onnx" or (head[:1] == b"\x08" and b"pytorch" in head):
+    onnx_suffix = path.suffix.lower() == ".onnx"
+    if head[:1] == b"\x08" and (onnx_suffix or b"pytorch" in head):  # an ONNX ModelProto starts with ir_version
         return ("an ONNX model (as tools/export.py --format onnx writes), not weights: give the checkpoint it was "
                 "exported from, or run it with onnxruntime")
+    if onnx_suffix:
+        return ("named as an ONNX model (.onnx) but not one either (corrupt or truncated?): give the training "
+                "checkpoint (.pth)")
     return None
 
 
