@@ -23,7 +23,7 @@ from torch import Tensor
 
 from detector.messages import DetectorError
 
-_SHOWN = 3  # keys named in a message
+KEYS_SHOWN = 3  # keys named in a message (weights.py too)
 
 
 class WeightsError(DetectorError, ValueError):
@@ -131,11 +131,11 @@ def state_dict_from(data: Mapping[str, Any], where: str) -> Dict[str, Tensor]:
     unnamed = [k for k in data if not isinstance(k, str)]
     if unnamed:
         raise WeightsError(f"{where}: not a state dict: {len(unnamed)} keys are not names (strings), "
-                           f"e.g. {unnamed[:_SHOWN]}")
+                           f"e.g. {unnamed[:KEYS_SHOWN]}")
     others = [k for k, v in data.items() if not isinstance(v, Tensor)]
     if not data or len(others) == len(data):
-        keys = list(data)[:_SHOWN]
+        keys = list(data)[:KEYS_SHOWN]
         raise WeightsError(f"{where}: not a state dict: it holds no tensors ({len(data)} entries, e.g. {keys})")
     if others:
-        raise WeightsError(f"{where}: not a state dict: {len(others)} entries are not tensors, e.g. {others[:_SHOWN]}")
+        raise WeightsError(f"{where}: not a state dict: {len(others)} entries are not tensors, e.g. {others[:KEYS_SHOWN]}")
     return dict(data)

@@ -37,7 +37,7 @@ from torchvision.models import get_weight
 
 from detector.messages import first_line
 from detector.modeling.trained_config import trained_class_names, trained_settings
-from detector.modeling.weight_files import WeightsError, read_weights_file, state_dict_from
+from detector.modeling.weight_files import KEYS_SHOWN, WeightsError, read_weights_file, state_dict_from
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ _PRE_V2_RENAMES = [
     (re.compile(r"^rpn\.head\.conv\.(weight|bias)$"), r"rpn.head.conv.0.0.\1"),
     (re.compile(r"^backbone\.fpn\.(inner_blocks|layer_blocks)\.(\d+)\.(weight|bias)$"), r"backbone.fpn.\1.\2.0.\3"),
 ]
-_SHOWN = 3  # mismatched keys named in a message
 
 
 @dataclass
@@ -82,9 +81,9 @@ class LoadReport:
         text = (f"{len(self.loaded)} loaded, {len(self.missing)} missing, {len(self.unexpected)} unexpected, "
                 f"{len(self.renamed)} renamed, {len(self.skipped)} skipped")
         if self.missing:
-            text += f"; missing e.g. {self.missing[:_SHOWN]}"
+            text += f"; missing e.g. {self.missing[:KEYS_SHOWN]}"
         if self.unexpected:
-            text += f"; unexpected e.g. {self.unexpected[:_SHOWN]}"
+            text += f"; unexpected e.g. {self.unexpected[:KEYS_SHOWN]}"
         return "; ".join([text, *self.notes])
 
 
@@ -127,12 +126,12 @@ def _mismatch_error(where: str, shapes: Sequence[Tuple[str, Sequence[int], Seque
                     missing: Sequence[str], unexpected: Sequence[str]) -> WeightsError:
     parts = []
     if shapes:
-        shown = "; ".join(f"{k} {list(s)} in the file, {list(m)} in the model" for k, s, m in shapes[:_SHOWN])
+        shown = "; ".join(f"{k} {list(s)} in the file, {list(m)} in the model" for k, s, m in shapes[:KEYS_SHOWN])
         parts.append(f"{len(shapes)} tensors differ in shape, e.g. {shown}")
     if missing:
-        parts.append(f"{len(missing)} model keys missing from the file, e.g. {list(missing[:_SHOWN])}")
+        parts.append(f"{len(missing)} model keys missing from the file, e.g. {list(missing[:KEYS_SHOWN])}")
     if unexpected:
-        parts.append(f"{len(unexpected)} file keys not in the model, e.g. {list(unexpected[:_SHOWN])}")
+        parts.append(f"{len(unexpected)} file keys not in the model, e.g. {list(unexpected[:KEYS_SHOWN])}")
     return WeightsError(f"{where}: does not fit the model (another architecture or config?): " + "; ".join(parts))
 
 
