@@ -382,7 +382,7 @@ def test_prediction_file_errors_are_named(case_files, tmp_path):
 
 
 def test_empty_detections_through_every_metric(case_files, tmp_path):
-    from detector.evaluation import score_detections, write_outputs
+    from detector.evaluation import OUTPUT_FILES, score_detections, write_outputs
 
     _, gt, _ = case_files
     report = score_detections(gt, [], backend="faster")
@@ -391,9 +391,12 @@ def test_empty_detections_through_every_metric(case_files, tmp_path):
     assert m["mAP_voc07"] == 0.0 and m["mAP_voc_area"] == 0.0
     assert m["precision_50"] == 0.0 and m["recall_50"] == 0.0 and m["mean_iou"] == 0.0
     assert report.confusion[1:, 0].sum() == sum(1 for a in gt["annotations"] if not a["iscrowd"])  # all missed
-    write_outputs(report, [], tmp_path)
-    assert json.loads((tmp_path / "detections.json").read_text()) == []
-    assert_png_not_blank(tmp_path / "pr_curves.png")
+    paths = write_outputs(report, [], tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "detections.json").read_text()) == []
+    assert_png_not_blank(tmp_path / "out" / "pr_curves.png")
+    # What tools/eval.py's overwrite check names is what is written (and nothing else is left).
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(OUTPUT_FILES)
+    assert sorted(Path(p).name for p in paths.values()) == sorted(OUTPUT_FILES)
 
 
 def test_a_val_set_without_boxes_is_said_once(tiny_setup, tmp_path):

@@ -169,11 +169,12 @@ def write_outputs(
     results; ``results`` a list or Detections), ``per_class.csv``, ``pr_curves.png``
     and ``confusion_matrix.png`` (``OUTPUT_FILES``)."""
     out = output_folder(output_dir)
+    metrics_file, detections_file, csv_file, curves_file, confusion_file = (out / name for name in OUTPUT_FILES)
     metrics = dict(report.metrics)
     metrics.update(extra_metrics or {})
     paths = {
-        "metrics": write_json(out / "metrics.json", metrics),
-        "detections": write_results_file(out / "detections.json", as_detections(results)),
+        "metrics": write_json(metrics_file, metrics),
+        "detections": write_results_file(detections_file, as_detections(results)),
     }
     def write_csv(f: Any) -> None:
         fields = ["category_id", "name", "num_gt", "num_det", "AP", "AP50", "AP_voc07", "AP_voc_area"]
@@ -182,14 +183,14 @@ def write_outputs(
         for row in report.per_class:
             writer.writerow({k: (f"{v:.6f}" if isinstance(v, float) else v) for k, v in row.items()})
 
-    paths["per_class"] = atomic_write(out / "per_class.csv", write_csv, mode="w")
+    paths["per_class"] = atomic_write(csv_file, write_csv, mode="w")
     curves = {
         name: (report.voc[c].recall, report.voc[c].precision, report.voc[c].ap_area)
         for c, name in zip(report.cat_ids, report.class_names)
     }
-    paths["pr_curves"] = plot_pr_curves(curves, out / "pr_curves.png", title="Precision-recall per class (VOC matching)",
+    paths["pr_curves"] = plot_pr_curves(curves, curves_file, title="Precision-recall per class (VOC matching)",
                                          ap_kind="VOC area AP")
-    paths["confusion_matrix"] = plot_confusion_matrix(report.confusion, report.class_names, out / "confusion_matrix.png")
+    paths["confusion_matrix"] = plot_confusion_matrix(report.confusion, report.class_names, confusion_file)
     return paths
 
 
