@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 def _first_difference(a: Sequence[str], b: Sequence[str]) -> str:
-    """``"label 3: 'cat' here, 'dog' there"`` or the counts of classes."""
+    """Where two class lists first differ: ``"label 3 is 'cat' against 'dog'"``, or
+    ``"3 classes against 4"``."""
     if len(a) != len(b):
         return f"{len(a)} classes against {len(b)}"
     label = next(i for i, (x, y) in enumerate(zip(a, b), start=1) if x != y)
@@ -70,7 +71,7 @@ def _check_files_apart(parts: Sequence[Tuple[str, DetectionDataset]]) -> None:
                                 "hold other images (is one set listed twice?)")
 
 
-def _id_offsets(parts: Sequence[Tuple[str, DetectionDataset]]) -> list:
+def _id_offsets(parts: Sequence[Tuple[str, DetectionDataset]]) -> List[int]:
     """Per set, what its image ids are shifted by: 0, or past every earlier set's ids
     where some of its ids are an earlier set's."""
     offsets, taken = [], np.zeros(0, np.int64)
