@@ -144,6 +144,32 @@ def test_torchrun_two_cpu_ranks_static_step(tmp_path):
 
 
 @pytest.mark.dist
+def test_torchrun_two_cpu_ranks_on_two_joined_sets(tmp_path):
+    """``data.train_extra`` under torchrun: the 8 images as two COCO files of 4 are one
+    training set, which the sampler splits between the ranks (epoch 0, without
+    aspect-ratio groups: disjoint shards covering all 8); each file's records are parsed
+    once and shared (one record file each); the ranks end with the same parameters."""
+    from detector.data.shapes import ensure_shapes
+
+    data = ensure_shapes(tmp_path / "shapes", 8, 4, 0, 64, 96)
+    coco = json.loads((data / "train.json").read_text())
+    for name, images in (("a", coco["images"][:4]), ("b", coco["images"][4:])):
+        ids = {im["id"] for im in images}
+        part = {**coco, "images": images, "annotations": [x for x in coco["annotations"] if x["image_id"] in ids]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(part))
+    side, out = run_two_ranks(
+        tmp_path, "data.format=coco", f"data.train.root={data / 'train'}", f"data.train.ann_file={tmp_path / 'a.json'}",
+        f"data.train_extra=[{{root: '{data / 'train'}', ann_file: '{tmp_path / 'b.json'}'}}]",
+        f"data.val.root={data / 'val'}", f"data.val.ann_file={data / 'val.json'}", "data.aspect_ratio_grouping=false")
+    p0, p1 = rank_params(side)
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    seen = [json.loads((side / f"seen_{rank}.json").read_text()) for rank in (0, 1)]
+    shards = [{i for s in rank_seen[:2] for i in s["ids"]} for rank_seen in seen]
+    assert not shards[0] & shards[1] and shards[0] | shards[1] == {im["id"] for im in coco["images"]}
+    assert sorted(p.name.split("-")[0] for p in (out / "cache").glob("*.records")) == ["a", "b"]
+
+
+@pytest.mark.dist
 def test_ranks_with_different_training_sets_stop_with_one_line(tmp_path):
     """Node-local copies that differ: each rank read its own set (its own epoch schedule,
     then a wait until the timeout). Every rank stops before any work, naming the rank."""
