@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .dataset import DetectionDataset, Transform
+from .dataset import DetectionDataset, Transform, classes_without_objects
 from .files import DataError
 from .records import RecordStore
 
@@ -93,8 +93,7 @@ def check_every_class(dataset: DetectionDataset, keys: Sequence[str]) -> None:
 
     Raises:
         DataError: the first class without an object, naming the sets' keys."""
-    present = set(np.unique(dataset.records.arrays["labels"]).tolist())
-    missing = [name for label, name in enumerate(dataset.class_names, start=1) if label not in present]
+    missing = classes_without_objects(dataset.records.arrays["labels"], dataset.class_names)
     if missing:
         raise DataError(f"data.class_names: {missing[0]!r} has no object in the training sets ({', '.join(keys)})")
 

@@ -218,6 +218,13 @@ def log_other_classes(source: str, class_names: Sequence[str], dropped: Counter)
                    source, len(class_names), sum(dropped.values()), other_classes_text(class_names, dropped))
 
 
+def classes_without_objects(labels: np.ndarray, class_names: Sequence[str]) -> List[str]:
+    """The names of ``class_names`` (labels 1..K) that no box of ``labels`` (int ``[N]``)
+    has, in label order."""
+    present = set(np.unique(labels).tolist())
+    return [name for label, name in enumerate(class_names, start=1) if label not in present]
+
+
 def drop_images_without_training_boxes(store: RecordStore, use_difficult: bool) -> RecordStore:
     """``store`` without the images that have no training box (not crowd; not difficult
     unless ``use_difficult``): ``data.filter_empty``. The same store when none is dropped."""

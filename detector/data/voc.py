@@ -11,9 +11,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from detector.messages import did_you_mean
 
-from .dataset import DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes, rows_to_arrays
+from .dataset import (DetectionDataset, ImageRecord, Issues, Transform, check_box, classes_without_objects,
+                      log_other_classes, rows_to_arrays)
 from .files import DataError, path_within
 from .schema import VocObject
 from .voc_xml import read_voc_split, read_voc_xml
@@ -187,10 +190,9 @@ class VOCDetection(DetectionDataset):
 
 def _check_every_class(records: List[ImageRecord], class_names: Sequence[str], others: Counter, source: str) -> None:
     """A training set must hold at least one object of every class of ``data.class_names``."""
-    present = set()
-    for r in records:
-        present.update(int(lab) for lab in r.labels.tolist())
-    for label, name in enumerate(class_names, start=1):
-        if label not in present:
-            hint = did_you_mean(name, others) or f"; the data's other classes: {', '.join(sorted(others)) or 'none'}"
-            raise DataError(f"data.class_names: {name!r} has no object in {source}{hint}")
+    labels = np.concatenate([r.labels for r in records]) if records else np.zeros(0, np.int64)
+    missing = classes_without_objects(labels, class_names)
+    if missing:
+        name = missing[0]
+        hint = did_you_mean(name, others) or f"; the data's other classes: {', '.join(sorted(others)) or 'none'}"
+        raise DataError(f"data.class_names: {name!r} has no object in {source}{hint}")
