@@ -231,16 +231,15 @@ def check_datasets(cfg: Config, split: str = "train", decode: bool = True) -> Li
         check_data_paths(cfg, split)
     except (DataError, ConfigError) as exc:
         return [CheckReport(source=describe_source(cfg, split), errors=[str(exc)])]
-    reports = []
-    for key, sc in split_sources(cfg, split):
-        report = check_dataset(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=sc, train_extra=[])),
-                               split, decode)
+    sources = split_sources(cfg, split)
+    reports = [check_dataset(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=sc, train_extra=[])),
+                             split, decode) for _, sc in sources]
+    first = list(reports[0].per_class)
+    for (key, _), report in zip(sources, reports):
         report.source = f"{key}: {report.source}"
-        first = list(reports[0].per_class) if reports else list(report.per_class)
         if list(report.per_class) != first:
             report.errors.append(f"{key}: its classes {list(report.per_class)} are not data.train's {first} (one "
                                  "label, one class: training refuses them); set data.class_names")
-        reports.append(report)
     return reports
 
 
