@@ -28,7 +28,7 @@ import re
 import signal
 import sys
 import threading
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from detector.messages import DetectorError, first_line
 
@@ -101,14 +101,6 @@ class Terminated(BaseException):
     ``finally`` runs: a file being written is left out, not half written."""
 
 
-def one_of_several_ranks(env: Mapping[str, str] = os.environ) -> bool:
-    """True in a process that a launcher started as one of several ranks (torchrun's
-    ``WORLD_SIZE``, or SLURM's ``SLURM_PROCID`` with ``SLURM_NTASKS``, as
-    ``detector.distributed`` reads them) according to the environment ``env``."""
-    world = env.get("WORLD_SIZE") or (env.get("SLURM_NTASKS") if "SLURM_PROCID" in env else None) or "1"
-    return world.strip().isdigit() and int(world) > 1
-
-
 def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
     """Run a tool's ``body`` and return its exit status: ``body()``'s own, 1 after an
     expected error (one line on stderr), 130 after Ctrl-C (``error: <interrupted>``),
@@ -121,9 +113,11 @@ def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
     a clean stop: ``SignalHook``). Once ``body`` has returned or raised, a SIGTERM is
     ignored (the tool is ending), and the previous handler is restored on the way out.
 
-    Not in one of several ranks (``one_of_several_ranks``): there the launcher sends
-    SIGTERM to the survivors of a lost rank, and it must not replace the one line a rank
-    prints about that loss; SIGTERM keeps its default there, outside training's loop.
+    Also in one of several ranks (torchrun, srun), where the launcher sends SIGTERM to
+    the survivors of a lost rank: the tools that run there (train, eval) turn that
+    ``Terminated``, like the collective's error, into the one line naming the lost rank
+    (``detector.dist_faults.report_lost_rank``). With the default action instead, a
+    survivor signalled between the failed collective and its line ended without a word.
     """
     armed = [True]
 
@@ -135,10 +129,8 @@ def run_tool(body: Callable[[], int], interrupted: str = "interrupted") -> int:
     if main_thread and getattr(signal.getsignal(signal.SIGINT), "during_imports", False):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # tools/_bootstrap.py's, while the tool imported
     if main_thread and getattr(signal.getsignal(signal.SIGTERM), "during_imports", False):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # likewise; the default (below) where several ranks run
-    previous = None
-    if main_thread and not one_of_several_ranks():
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # likewise (several ranks keep the default while importing)
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         try:
             return body()

@@ -4,6 +4,8 @@ the log while a collective is slow (bottom layer, beside ``detector.distributed`
 - ``lost_rank_message``: a collective that fails because another rank's process ended
   (killed, crashed), or timed out after ``train.dist_timeout_s`` because a rank is
   frozen, stopped (SIGSTOP) or on a lost host, becomes one line naming that rank;
+- ``report_lost_rank``: a tool's handler for that error, and for the SIGTERM that a
+  launcher sends the survivors once a rank's process ended (``detector.cli.Terminated``);
 - ``watch``: a context manager around a collective (or a step holding one) that logs
   ``waiting for rank(s) ... for N s`` once it has run past a threshold, naming the local
   ranks whose process is stopped or gone.
@@ -25,7 +27,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from detector.cli import report_error
+from detector.cli import Terminated, report_error
 from detector.messages import DetectorError, first_line
 
 logger = logging.getLogger(__name__)
@@ -106,8 +108,7 @@ def lost_rank_message(exc: BaseException, info: Any, wait_s: float = 3.0) -> Opt
         time.sleep(0.1)
     timeout = f"within train.dist_timeout_s={info.timeout_s:g} s"
     if ended:
-        who = ", ".join(f"rank {r} (pid {info.peers[r][1]} on {host})" for r, _ in ended)
-        return f"lost {who} of {info.world_size}: its process ended, so rank {info.rank} stops too; {_ADVICE}"
+        return _ended_line(info, [r for r, _ in ended])
     if timed_out and stuck:
         return (f"{_describe(info, stuck)} of {info.world_size} did not answer {timeout}, so rank {info.rank} "
                 f"stops too; {_ADVICE}")
@@ -122,6 +123,22 @@ def lost_rank_message(exc: BaseException, info: Any, wait_s: float = 3.0) -> Opt
         return (f"another rank did not answer {timeout} (frozen, stopped or on a lost host), so rank {info.rank} "
                 f"stops too; {_ADVICE}")
     return f"lost contact with another rank ({first_line(exc)}), so rank {info.rank} stops too; {_ADVICE}"
+
+
+def _ended_line(info: Any, ranks: List[int]) -> str:
+    host = socket.gethostname()
+    who = ", ".join(f"rank {r} (pid {info.peers[r][1]} on {host})" for r in ranks)
+    return f"lost {who} of {info.world_size}: its process ended, so rank {info.rank} stops too; {_ADVICE}"
+
+
+def ended_peer_message(info: Any) -> Optional[str]:
+    """The lost-rank line when another rank's process on this host has ended (gone, or a
+    zombie) at this moment, without waiting; None when none has (or for one process).
+    For a SIGTERM: torchrun's agent stops the survivors once it saw a worker end."""
+    if info is None or info.world_size < 2 or len(info.peers) != info.world_size:
+        return None
+    ended = [r for r, state in _stuck_peers(info) if state == "ended"]
+    return _ended_line(info, ended) if ended else None
 
 
 def slow_after_s(timeout_s: float) -> float:
@@ -178,12 +195,29 @@ def wake_stopped_peers(info: Any) -> List[int]:
     return woken
 
 
-def report_lost_rank(exc: RuntimeError, info: Any) -> Optional[int]:
-    """A tool's ``except RuntimeError``: when ``exc`` is a collective failing because another
-    rank ended or did not answer (``lost_rank_message``), print that one line, wake the
-    stopped peers (``wake_stopped_peers``) and return exit status 1; None for any other
-    error, which the tool re-raises."""
-    message = None if isinstance(exc, DetectorError) else lost_rank_message(exc, info)
+def report_lost_rank(exc: BaseException, info: Any) -> Optional[int]:
+    """A tool's ``except (RuntimeError, Terminated)`` in a process that may be one of
+    several ranks. When ``exc`` is a collective failing because another rank ended or did
+    not answer (``lost_rank_message``), or a SIGTERM (``Terminated``) that came once
+    another rank's process on this host had ended (``ended_peer_message``: torchrun's
+    agent stops the survivors so), print that one line, wake the stopped peers
+    (``wake_stopped_peers``) and return exit status 1; None for any other error, which
+    the tool re-raises (a SIGTERM without a lost peer: ``error: stopped by SIGTERM``).
+
+    In one of several ranks the process from here on only reports and ends (whatever
+    this returns), so a SIGTERM is ignored: the launcher's, which can come while the
+    failed collective is unwound and reported, used to end the survivor without its
+    line. The launcher's SIGKILL after its grace period (torchrun: 30 s) still ends a
+    process that hangs."""
+    several = info is not None and info.world_size > 1
+    if several and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if isinstance(exc, Terminated):
+        message = ended_peer_message(info)
+    elif isinstance(exc, DetectorError):
+        message = None
+    else:
+        message = lost_rank_message(exc, info)
     if message is None:
         return None
     status = report_error(exc, line=message)

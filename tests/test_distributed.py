@@ -52,6 +52,40 @@ def test_other_errors_are_left_alone():
     assert lost_rank_message(GLOO_LOST, info(0, peers[:1])) is None  # one process: no peer to lose
 
 
+def zombie_pid() -> subprocess.Popen:
+    """A child that has ended but is not reaped yet (as a killed rank is until torchrun's agent polls)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # ended; left unreaped
+    return proc
+
+
+@pytest.mark.parametrize("peer", ["reaped", "zombie"])
+def test_sigterm_after_a_local_peer_ended_names_it(peer, capsys):
+    """torchrun's SIGTERM to a survivor (``Terminated``) after a rank of this host ended:
+    the tools' one line names that rank, exit 1, and a further SIGTERM while it reports
+    is ignored; with every peer alive it is no lost rank (the tool says ``stopped by SIGTERM``)."""
+    import signal
+
+    from detector.cli import Terminated
+    from detector.distributed import report_lost_rank
+
+    host = socket.gethostname()
+    child = zombie_pid() if peer == "zombie" else None
+    dead = child.pid if child else ended_pid()
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert report_lost_rank(Terminated("SIGTERM"), info(1, [(host, os.getppid()), (host, os.getpid())])) is None
+        assert report_lost_rank(Terminated("SIGTERM"), info(0, [(host, os.getpid()), (host, dead)])) == 1
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        if child:
+            child.wait()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: lost rank 1 (pid {dead} on {host}) of 2: its process ended, so rank 0 stops too; ")
+    assert err.count("\n") == 1
+
+
 # --------------------------------------------------------------------------- the watchdog
 
 WATCHED_TIMEOUT_S = 4

@@ -454,6 +454,26 @@ def test_a_signal_after_the_loop_ended_acts_at_once(caplog):
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_sigterm_while_the_run_ends_after_an_error_changes_nothing(caplog):
+    """A SIGTERM while the hooks end a failed run (torchrun's, to the survivor of a lost
+    rank, whose collective just failed) neither asks for a stop nor raises: the error
+    goes on to the tool, which reports it. SIGINT (Ctrl-C) still interrupts."""
+    hook = SignalHook()
+    state = LoopState(max_iter=10)
+    try:
+        hook.before_train(state)
+        state.status, state.error = "failed", "Connection closed by peer"
+        with caplog.at_level(logging.DEBUG, logger="detector"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert state.stop_requested is None and "received SIGTERM while ending after an error" in caplog.text
+        assert "checkpoint" not in caplog.text
+        state.stop_requested = "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        hook.after_train(state)
+
+
 def test_signal_hook_does_nothing_in_a_forked_worker(caplog):
     """A data-loader worker forked after the handlers were installed gets the terminal's
     Ctrl-C too: it neither logs nor stops (the main process logs the signal once)."""

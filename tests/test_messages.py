@@ -144,21 +144,24 @@ def test_run_tool_sigterm_while_it_reports_an_error_changes_nothing(capsys):
 
 
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "2"}, {"SLURM_PROCID": "1", "SLURM_NTASKS": "4"}])
-def test_run_tool_leaves_sigterm_alone_in_one_of_several_ranks(env, monkeypatch):
-    """Under a launcher of several ranks SIGTERM keeps its handler (the launcher's
-    SIGTERM must not replace a rank's report of a lost peer); alone, run_tool's is set."""
+def test_run_tool_stops_on_sigterm_in_one_of_several_ranks_too(env, monkeypatch, capsys):
+    """Under a launcher of several ranks SIGTERM raises ``Terminated`` as in one process
+    (train and eval turn it into the line about a lost peer where one ended): with the
+    default action, torchrun's SIGTERM ended a survivor before it printed that line."""
+    import os
     import signal
 
-    for key in ("WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(key, raising=False)
-    before = signal.getsignal(signal.SIGTERM)
-    seen = []
-    assert run_tool(lambda: seen.append(signal.getsignal(signal.SIGTERM)) or 0) == 0
-    assert seen[0] is not before
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert run_tool(lambda: seen.append(signal.getsignal(signal.SIGTERM)) or 0) == 0
-    assert seen[1] is before and signal.getsignal(signal.SIGTERM) is before
+    before = signal.getsignal(signal.SIGTERM)
+
+    def body() -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0
+
+    assert run_tool(body) == 143
+    assert capsys.readouterr().err.startswith("error: stopped by SIGTERM; ")
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_ctrl_c_while_a_tool_imports_is_one_line(tmp_path):
@@ -188,21 +191,19 @@ def test_ctrl_c_while_a_tool_imports_is_one_line(tmp_path):
     {"SLURM_NTASKS": "4"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, {"SLURM_PROCID": "3", "SLURM_NTASKS": "4"},
     {"WORLD_SIZE": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, {"WORLD_SIZE": "", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
 ])
-def test_bootstrap_and_run_tool_agree_on_several_ranks(env):
-    """tools/_bootstrap.py (before any import of the project) and run_tool decide alike
-    whether a process is one of several ranks, under torchrun and under srun."""
+def test_bootstrap_knows_one_of_several_ranks(env):
+    """tools/_bootstrap.py (before any import of the project) reads the world size as
+    ``detector.distributed`` does, under torchrun (``WORLD_SIZE``) and under srun."""
     import importlib.util
 
     from conftest import ROOT
-    from detector.cli import one_of_several_ranks
 
     spec = importlib.util.spec_from_file_location("bootstrap_rule", ROOT / "tools" / "_bootstrap.py")
     bootstrap = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bootstrap)  # not run as a program: it sets no handler
-    assert bootstrap.one_of_several_ranks(env) == one_of_several_ranks(env)
     expected = env.get("WORLD_SIZE", "").strip() not in ("", "1", "x") or (
         not env.get("WORLD_SIZE") and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env)
-    assert one_of_several_ranks(env) == expected
+    assert bootstrap.one_of_several_ranks(env) == expected
 
 
 def test_sigterm_while_a_rank_of_srun_imports_keeps_its_default(tmp_path):

@@ -5,7 +5,8 @@
   ``data.num_workers`` 0 or 2, and ``torchrun --nproc_per_node=2``;
 - ``torchrun --max-restarts=2 ... --resume``: rank 0 killed with SIGKILL mid-run is
   restarted, resumes from the newest checkpoint, and ends with the straight run's weights;
-- without restarts, the surviving rank exits with one line naming the lost rank;
+- without restarts, the surviving rank exits with one line naming the lost rank, also
+  when torchrun's SIGTERM reaches it outside the training loop;
 - two ``torchrun`` agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1) train to the end.
 
 The signal is sent once ``metrics.jsonl`` shows iteration ``K``: where the run really
@@ -200,6 +201,46 @@ def test_lost_rank_is_one_line(data_root, tmp_path):
     assert "Traceback" not in text, context
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "rank 1" in errors[0], context
+
+
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen) -> None:
+    """Return once the file ``path`` contains ``text``."""
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{text!r} never appeared in {path} (exit status {proc.poll()})")
+
+
+def test_lost_rank_while_setting_up_is_one_line(data_root, tmp_path):
+    """torchrun's SIGTERM to the survivor of a lost rank, reaching it outside the training
+    loop (here while it builds the model, data and optimizer; likewise while it unwinds
+    a failed collective): the survivor used to end without a word (-15, SIGTERM's default
+    action in one of several ranks). Rank 0 is stopped (SIGSTOP) once it has set up
+    its process group, rank 1 is killed, and rank 0 continues once the agent has sent it
+    SIGTERM: its one line names rank 1."""
+    out = tmp_path / "run"
+    logs = tmp_path / "logs"
+    cmd = train_cmd(data_root, out, "solver.max_iter=1000",
+                    launcher=torchrun("--standalone", "--log-dir", str(logs), "--redirects=3"))
+    agent = start(cmd, tmp_path / "log.txt")
+    wait_for_text(out / "log.txt", "process: ", agent)  # rank 0's log: the process group is up
+    rank0 = worker_pid(agent.pid, rank=0)
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        os.kill(worker_pid(agent.pid, rank=1), signal.SIGKILL)
+        wait_for_text(tmp_path / "log.txt", f"Sending process {rank0} closing signal SIGTERM", agent)
+    finally:
+        os.kill(rank0, signal.SIGCONT)
+    assert agent.wait(TIMEOUT) != 0
+    (stderr,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
+    text = stderr.read_text()
+    context = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in [tmp_path / "log.txt", *sorted(logs.rglob("*.log"))])
+    assert "Traceback" not in text, context
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: lost rank 1 (pid "), context
+    assert "exitcode  : 1 " in (tmp_path / "log.txt").read_text(), context  # its own status, not -15
 
 
 def test_two_nodes_train_to_the_end(data_root, straight, tmp_path):

@@ -58,9 +58,10 @@ if _as_program and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def one_of_several_ranks(env: "os._Environ[str] | dict[str, str]" = os.environ) -> bool:
-    """``detector.cli.one_of_several_ranks``'s rule (torchrun's ``WORLD_SIZE``, or SLURM's
-    ``SLURM_NTASKS`` with ``SLURM_PROCID``), read here without importing the project:
-    this runs before torch is imported (tests/test_messages.py holds the two rules equal)."""
+    """True under a launcher of several ranks (torchrun's ``WORLD_SIZE``, or SLURM's
+    ``SLURM_NTASKS`` with ``SLURM_PROCID``, as ``detector.distributed`` reads them), read
+    here without importing the project: this runs before torch is imported. While a rank
+    imports, SIGTERM keeps its default: it has nothing to report yet."""
     world = env.get("WORLD_SIZE") or (env.get("SLURM_NTASKS") if "SLURM_PROCID" in env else None) or "1"
     return world.strip().isdigit() and int(world) > 1
 

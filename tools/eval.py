@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import run_tool, user_path  # noqa: E402
+from detector.cli import Terminated, run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.files import check_writes_apart, output_folder  # noqa: E402
 
@@ -176,9 +176,10 @@ def run_model(args: argparse.Namespace) -> int:
             print(f"results written to {args.output_dir}")
         if info.rank == 0 and args.analysis:
             analyse_model_run(args, cfg, dataset)
-    except RuntimeError as exc:
-        # Another rank ended, or did not answer within train.dist_timeout_s: one line naming
-        # it, as tools/train.py does. Any other RuntimeError goes on up.
+    except (RuntimeError, Terminated) as exc:
+        # Another rank ended (a collective failed, or torchrun's SIGTERM came after it), or
+        # did not answer within train.dist_timeout_s: one line naming it, as tools/train.py
+        # does. Anything else goes on up.
         status = report_lost_rank(exc, info)
         if status is None:
             raise

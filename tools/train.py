@@ -20,7 +20,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import run_tool, user_path  # noqa: E402
+from detector.cli import Terminated, run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector import distributed  # noqa: E402
 from detector.engine.log import setup_logging  # noqa: E402
@@ -94,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
             setup_logging(cfg.train.output_dir, rank)
             logger.info("process: %s", info.describe())
             result = train(cfg, resume=args.resume, dist_info=info, run_folder=folder)
-    except RuntimeError as exc:
-        # A peer process died: one line naming it. Any other RuntimeError goes on up.
+    except (RuntimeError, Terminated) as exc:
+        # A peer process died (a collective failed, or torchrun's SIGTERM came after it):
+        # one line naming it. Anything else goes on up.
         status = distributed.report_lost_rank(exc, info)
         if status is None:
             raise

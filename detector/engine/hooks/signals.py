@@ -16,8 +16,9 @@ logger = logging.getLogger(__name__)
 class SignalHook(HookBase):
     """SIGTERM / SIGINT: stop after the current iteration (the checkpointer then writes
     ``last.pth``). A second signal raises ``KeyboardInterrupt`` at once; so does a signal
-    once the loop has ended (``_as_outside_the_loop``: during the final evaluation). Handlers are
-    installed only in the main thread and restored at the end. Forked data-loader
+    once the loop has ended (``_as_outside_the_loop``: during the final evaluation). A
+    SIGTERM while the run ends after an error changes nothing: the error is reported.
+    Handlers are installed only in the main thread and restored at the end. Forked data-loader
     workers inherit the handlers and get the terminal's Ctrl-C too: there the handler
     does nothing (the main process stops them), so a signal is logged once."""
 
@@ -37,6 +38,11 @@ class SignalHook(HookBase):
                 return
             if state.status == "finished":
                 self._as_outside_the_loop(signum, frame)
+                return
+            if state.status == "failed" and signum == signal.SIGTERM:
+                # The run is ending with an error, which the tool reports next (a lost peer:
+                # torchrun's SIGTERM to the survivors comes now). Nothing is left to stop.
+                logger.debug("received SIGTERM while ending after an error: %s", state.error)
                 return
             if state.stop_requested is not None:
                 raise KeyboardInterrupt
