@@ -137,3 +137,52 @@ def test_eval_loads_the_ema_weights_of_a_checkpoint(tmp_path):
     with pytest.raises(WeightsError, match="holds no EMA weights.*eval.use_ema=false") as e:
         load_model_weights(target, str(path), use_ema=True)
     assert "\n" not in str(e.value)
+
+
+def test_infer_and_export_use_the_weights_that_eval_measures(tmp_path, capsys):
+    """A checkpoint of a run with ``train.ema.enabled``: tools/eval.py evaluates its EMA
+    weights (``eval.use_ema``, the default), and so must infer.py and export.py, or the
+    deployed model is not the measured one (they loaded the raw weights). The raw and
+    EMA weights here are two models of different seeds: infer's detections equal those of
+    the EMA weights saved alone, and the exported file passes the check against them only."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from detector.config import load_config
+    from detector.modeling import build_model
+    from conftest import TINY_CONFIG, load_tool
+
+    def model_state(seed):
+        torch.manual_seed(seed)
+        return build_model(load_config(TINY_CONFIG, [])).state_dict()
+
+    raw, ema = model_state(1), model_state(2)
+    torch.save({"model": raw, "ema": {"model": ema, "updates": 10}}, tmp_path / "last.pth")
+    torch.save(ema, tmp_path / "ema.pth")
+    torch.save(raw, tmp_path / "raw.pth")
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    rng = np.random.default_rng(0)
+    for i, (h, w) in enumerate([(90, 120), (140, 100)]):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(inputs / f"im{i}.png")
+
+    def infer(weights, *overrides):
+        out = tmp_path / f"out_{weights}_{len(overrides)}"
+        argv = ["--config", str(TINY_CONFIG), "--weights", str(tmp_path / weights), "--input", str(inputs),
+                "--output-dir", str(out), "--score-thresh", "0.0", *overrides]
+        assert load_tool("infer").main(argv) == 0, capsys.readouterr().err
+        return [(r["boxes"], r["scores"]) for r in json.loads((out / "detections.json").read_text())]
+
+    with_ema = infer("last.pth", "train.ema.enabled=true")
+    assert with_ema == infer("ema.pth") and with_ema[0][0]  # boxes found, the EMA model's
+    assert infer("last.pth", "train.ema.enabled=true", "eval.use_ema=false") == infer("raw.pth") != with_ema
+
+    export = load_tool("export")
+    exported = tmp_path / "model.pt"
+    common = ["--config", str(TINY_CONFIG), "--format", "torchscript", "--output", str(exported),
+              "--image-size", "64", "96"]
+    assert export.main([*common, "--weights", str(tmp_path / "last.pth"), "train.ema.enabled=true"]) == 0
+    assert export.main([*common, "--weights", str(tmp_path / "ema.pth"), "--verify-only"]) == 0
+    assert export.main([*common, "--weights", str(tmp_path / "raw.pth"), "--verify-only"]) == 1

@@ -45,7 +45,7 @@ from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
 from detector.files import check_writes_apart  # noqa: E402
 from detector.modeling.trained_config import warn_other_settings  # noqa: E402
-from detector.modeling.weights import load_weights  # noqa: E402
+from detector.modeling.weights import load_model_weights, uses_ema_weights  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.export import (  # noqa: E402
     BOX_RTOL,
@@ -139,7 +139,7 @@ def export(args: argparse.Namespace) -> int:
     # --weights holds every weight: build without initial weights (nothing to download).
     cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
     model = build_model(cfg)
-    report = load_weights(model, args.weights, strict=True)
+    report = load_model_weights(model, args.weights, use_ema=uses_ema_weights(cfg))  # the evaluated weights
     warn_other_settings(report.trained_settings, cfg, args.weights)
     model.eval()
     images = test_images(tuple(args.image_size or default_image_size(cfg)), args.image)

@@ -53,7 +53,7 @@ def infer(args: argparse.Namespace) -> int:
     """Detect on every image of --input; write the drawings and detections.json."""
     from detector.data.transforms import build_transforms
     from detector.modeling.trained_config import warn_other_settings
-    from detector.modeling.weights import load_model_weights
+    from detector.modeling.weights import load_model_weights, uses_ema_weights
     from detector.distributed import resolve_device
     from detector.evaluation import list_images, predict_files, write_json
     from detector.evaluation.tta import tta_settings
@@ -63,7 +63,7 @@ def infer(args: argparse.Namespace) -> int:
     paths = list_images(args.input)
     device = resolve_device(cfg.train.device)
     model = build_model(cfg)
-    report = load_model_weights(model, args.weights)
+    report = load_model_weights(model, args.weights, use_ema=uses_ema_weights(cfg))  # the evaluated weights
     class_names = class_names_for(cfg)
     check_trained_classes(cfg, report.trained_classes, class_names, args.weights)
     warn_other_settings(report.trained_settings, cfg, args.weights)

@@ -254,6 +254,14 @@ def _sort_keys(state: Mapping[str, Tensor], target: Mapping[str, Tensor], report
 # --------------------------------------------------------------------------- initial weights
 
 
+def uses_ema_weights(cfg: Any) -> bool:
+    """Whether a training checkpoint's EMA weights are the model's: ``train.ema.enabled``
+    and ``eval.use_ema``. Training then evaluates them (``eval/AP``, ``best.pth``), and
+    tools/eval.py, infer.py and export.py load them, so that what is deployed is what
+    was measured."""
+    return bool(cfg.train.ema.enabled and cfg.eval.use_ema)
+
+
 def load_model_weights(model: nn.Module, source: str, key: str = "--weights", use_ema: bool = False) -> LoadReport:
     """Strict load for evaluation and inference: ``source`` is a local file (a training
     checkpoint or a state dict) or a torchvision weights name such as
@@ -270,7 +278,7 @@ def load_model_weights(model: nn.Module, source: str, key: str = "--weights", us
         data = read_weights_file(source)
         if not isinstance(data.get("ema"), dict):
             raise WeightsError(f"{key} {source}: holds no EMA weights (a checkpoint of a run with "
-                               "train.ema.enabled); set eval.use_ema=false to evaluate its raw weights")
+                               "train.ema.enabled); set eval.use_ema=false to use its raw weights")
         report = load_weights(model, data["ema"]["model"], strict=True, name=f"{source} (EMA)")
         return _note_training_run(report, data)  # (the EMA entry holds no config)
     found = _weights_source(source, key=key, instead="pass the downloaded file")
