@@ -16,6 +16,7 @@ import torch
 from conftest import load_tool
 from detector.config import ConfigError, load_config
 from detector.data import DataError, build_dataset
+from detector.data.check import check_datasets
 from detector.data.concat import check_every_class
 from detector.data.dataset import DetectionDataset
 from detector.data.records import ImageRecord, RecordStore
@@ -127,6 +128,13 @@ def test_a_set_listed_twice_is_refused(halves, tiny_cfg, tmp_path):
     os.symlink(folder, tmp_path / "linked")  # the same images under a second folder name
     with pytest.raises(DataError, match=r"is in data\.train and in data\.train_extra\[0\]"):
         build_dataset(tiny_cfg(*overrides, _extra(tmp_path / "linked", b.parent / "whole.json")), "train", True)
+    # check_dataset finds what training refuses, in the report of the set named second
+    reports = check_datasets(tiny_cfg(*overrides, f"data.train_extra=[{{root: '{folder}', ann_file: '{b}'}}, "
+                                                  f"{{root: '{tmp_path / 'linked'}', ann_file: '{b}'}}]"),
+                             "train", decode=False)
+    assert [len(r.errors) for r in reports] == [0, 0, 1]
+    assert "is in data.train_extra[0] and in data.train_extra[1]" in reports[2].errors[0]
+    assert all(not r.errors for r in check_datasets(tiny_cfg(*overrides, _extra(folder, b)), "train", decode=False))
 
 
 def test_a_missing_extra_set_is_named_by_its_key(halves, tiny_cfg):

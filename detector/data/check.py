@@ -23,6 +23,7 @@ from detector.files import missing_file_state
 from detector.messages import first_line
 
 from .build import build_dataset, check_data_paths, split_sources
+from .concat import file_in_two_sets
 from .classes import check_val_classes, resolve_class_names
 from .coco import parse_coco
 from .dataset import ImageRecord, Issues, fraction_coordinates_problem, other_classes_text
@@ -170,6 +171,11 @@ def _check_image_file(report: CheckReport, r: ImageRecord, decode: bool, apply_e
 def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> CheckReport:
     """Check ``cfg.data.<split>``; never raises on bad data, reports it instead. The val
     set is read as training reads it (``val_as_in_training``)."""
+    return _check_one(cfg, split, decode)[0]
+
+
+def _check_one(cfg: Config, split: str, decode: bool) -> Tuple[CheckReport, List[str]]:
+    """``check_dataset``'s report, and the image paths of the records read."""
     issues = Issues(strict=False, log_skips=False)
     source = describe_source(cfg, split)
     class_errors: List[str] = []
@@ -180,8 +186,7 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
         check_data_paths(cfg, split)  # an empty or missing path: one line naming its key
         records, class_names = _records_for(cfg, split, issues)
     except (DataError, FileNotFoundError, OSError) as exc:
-        report = CheckReport(source=source, classes_from=classes_from, errors=class_errors + [str(exc)])
-        return report
+        return CheckReport(source=source, classes_from=classes_from, errors=class_errors + [str(exc)]), []
     report = CheckReport(source=source, num_images=len(records), apply_exif=cfg.data.apply_exif,
                          classes_from=classes_from, errors=list(class_errors))
     report.errors.extend(issues.errors)
@@ -217,14 +222,15 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
         "medium": sum(1 for a in box_sizes if 32**2 <= a < 96**2),
         "large (>= 96^2)": sum(1 for a in box_sizes if a >= 96**2),
     }
-    return report
+    return report, [r.path for r in records]
 
 
 def check_datasets(cfg: Config, split: str = "train", decode: bool = True) -> List[CheckReport]:
     """``check_dataset`` of each set that ``split`` reads, one report each: ``data.val``;
     ``data.train`` and each ``data.train_extra`` entry, whose source line names its key;
     an extra set whose classes differ from ``data.train``'s (training refuses it) holds
-    that error. A missing path of any set: one report holding that error."""
+    that error, and so does the second set holding an image file of an earlier one (the
+    same set listed twice). A missing path of any set: one report holding that error."""
     if split == "val" or not cfg.data.train_extra:
         return [check_dataset(cfg, split, decode)]
     try:
@@ -232,14 +238,18 @@ def check_datasets(cfg: Config, split: str = "train", decode: bool = True) -> Li
     except (DataError, ConfigError) as exc:
         return [CheckReport(source=describe_source(cfg, split), errors=[str(exc)])]
     sources = split_sources(cfg, split)
-    reports = [check_dataset(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=sc, train_extra=[])),
-                             split, decode) for _, sc in sources]
+    checked = [_check_one(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=sc, train_extra=[])),
+                          split, decode) for _, sc in sources]
+    reports = [report for report, _ in checked]
     first = list(reports[0].per_class)
     for (key, _), report in zip(sources, reports):
         report.source = f"{key}: {report.source}"
         if list(report.per_class) != first:
             report.errors.append(f"{key}: its classes {list(report.per_class)} are not data.train's {first} (one "
                                  "label, one class: training refuses them); set data.class_names")
+    twice = file_in_two_sets([(key, paths) for (key, _), (_, paths) in zip(sources, checked)])
+    if twice is not None:
+        reports[[key for key, _ in sources].index(twice[0])].errors.append(twice[1])
     return reports
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -53,22 +53,24 @@ def _check_classes(parts: Sequence[Tuple[str, DetectionDataset]]) -> None:
                 "their classes, in one order; set data.class_names to the classes to train on")
 
 
-def _check_files_apart(parts: Sequence[Tuple[str, DetectionDataset]]) -> None:
-    """No image file in two parts; files compared by name within their folder's real path
-    (one ``realpath`` per folder: a set linked under a second name is caught)."""
+def file_in_two_sets(parts: Sequence[Tuple[str, Iterable[str]]]) -> Optional[Tuple[str, str]]:
+    """The first image file that two sets hold, as ``(the second set's key, one line
+    naming the file and both sets)``; None where each file is in one set. ``parts``:
+    ``(config key, image paths)`` pairs. Files are compared by name within their folder's
+    real path (one ``realpath`` per folder: a set linked under a second name is caught)."""
     seen: dict = {}
     folders: dict = {}
-    for key, dataset in parts:
-        store = dataset.records
-        for i in range(len(store)):
-            folder, name = os.path.split(store.path(i))
+    for key, paths in parts:
+        for path in paths:
+            folder, name = os.path.split(path)
             real = folders.get(folder)
             if real is None:
                 real = folders[folder] = os.path.realpath(folder)
             other = seen.setdefault(os.path.join(real, name), key)
             if other != key:
-                raise DataError(f"image file {store.path(i)} is in {other} and in {key}: each training set must "
-                                "hold other images (is one set listed twice?)")
+                return key, (f"image file {path} is in {other} and in {key}: each training set must hold other "
+                             "images (is one set listed twice?)")
+    return None
 
 
 def _id_offsets(parts: Sequence[Tuple[str, DetectionDataset]]) -> List[int]:
@@ -113,7 +115,9 @@ def concat_datasets(parts: Sequence[Tuple[str, DetectionDataset]],
         dataset.transforms = transforms
         return dataset
     _check_classes(parts)
-    _check_files_apart(parts)
+    twice = file_in_two_sets([(key, map(d.records.path, range(len(d.records)))) for key, d in parts])
+    if twice is not None:
+        raise DataError(twice[1])
     first = parts[0][1]
     store = RecordStore.concatenate([d.records for _, d in parts], _id_offsets(parts))
     skipped: Counter = sum((d.skipped for _, d in parts), Counter())
