@@ -137,6 +137,10 @@ def test_eval_loads_the_ema_weights_of_a_checkpoint(tmp_path):
     with pytest.raises(WeightsError, match="holds no EMA weights.*eval.use_ema=false") as e:
         load_model_weights(target, str(path), use_ema=True)
     assert "\n" not in str(e.value)
+    # a torchvision weights name: nothing is downloaded, and the line says why it cannot serve
+    with pytest.raises(WeightsError, match=r"^--weights FasterRCNN_ResNet50_FPN_Weights\.COCO_V1: torchvision's "
+                                           r"weights hold no EMA weights .*set eval\.use_ema=false"):
+        load_model_weights(target, "FasterRCNN_ResNet50_FPN_Weights.COCO_V1", use_ema=True)
 
 
 def test_infer_and_export_use_the_weights_that_eval_measures(tmp_path, capsys):

@@ -275,6 +275,9 @@ def load_model_weights(model: nn.Module, source: str, key: str = "--weights", us
     with ``train.ema.enabled``) rather than its raw ones; a file without them is an error.
     """
     if use_ema:
+        if not Path(source).expanduser().exists() and _looks_like_torchvision_weights(source):
+            raise WeightsError(f"{key} {source}: torchvision's weights hold no EMA weights (train.ema.enabled is "
+                               "set in the config); set eval.use_ema=false to use them")
         data = read_weights_file(source)
         if not isinstance(data.get("ema"), dict):
             raise WeightsError(f"{key} {source}: holds no EMA weights (a checkpoint of a run with "
