@@ -24,19 +24,16 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Tests run in two parts, both always (the status is the first failure's): the
-# single-process ones in JOBS pytest-xdist workers with one torch thread each (the tiny
-# test models gain nothing from a second intra-op thread, and two workers of two threads
-# on two cores need twice the CPU time), then the multi-process (dist) ones alone, since
-# their ranks have timeouts. A file's tests stay in one worker, in order (--dist loadfile).
-# (Two dist tests at a time took ~45 % less time, but under that load torchrun's agent
-# stopped the survivor of test_lost_rank_is_one_line before it printed its line, in one
-# of eleven runs. docs/training.md, "Supported versions".)
+# Tests run in two parts, both always (the status is the first failure's), each in JOBS
+# pytest-xdist workers: the single-process ones with one torch thread per worker (the
+# tiny test models gain nothing from a second intra-op thread, and two workers of two
+# threads on two cores need twice the CPU time), then the multi-process (dist) ones, whose
+# ranks keep their threads. A file's tests stay in one worker, in order (--dist loadfile).
 # JOBS=0: one process. Measured: docs/training.md, "Supported versions".
 JOBS ?= 2
 # $(call pytest_parts,EXPR): the tests that the pytest -m expression EXPR selects.
 pytest_parts = OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "($(1)) and not dist" tests; a=$$?; \
-	$(PY) -m pytest -q -m "($(1)) and dist" tests; b=$$?; [ $$b -eq 5 ] && b=0; \
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "($(1)) and dist" tests; b=$$?; [ $$b -eq 5 ] && b=0; \
 	[ $$a -ne 0 ] && exit $$a; exit $$b
 
 test: $(STAMP)

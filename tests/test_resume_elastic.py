@@ -186,21 +186,33 @@ def test_elastic_restart_after_sigkill_ends_like_a_straight_run(data_root, strai
     assert [r["iteration"] for r in records if r.get("type") == "train"] == list(range(1, MAX_ITER + 1))
 
 
-def test_lost_rank_is_one_line(data_root, tmp_path):
-    out = tmp_path / "run"
+def start_two_ranks(data_root: Path, tmp_path: Path) -> subprocess.Popen:
+    """torchrun with two ranks, each rank's output in its own file under ``tmp_path/logs``,
+    the agent's in ``tmp_path/log.txt``, the run in ``tmp_path/run``."""
+    cmd = train_cmd(data_root, tmp_path / "run", "solver.max_iter=1000",
+                    launcher=torchrun("--standalone", "--log-dir", str(tmp_path / "logs"), "--redirects=3"))
+    return start(cmd, tmp_path / "log.txt")
+
+
+def rank0_error_lines(tmp_path: Path) -> List[str]:
+    """The ``error:`` lines of rank 0's stderr, once no traceback is in it; the assertion
+    messages carry every log."""
     logs = tmp_path / "logs"
-    cmd = train_cmd(data_root, out, "solver.max_iter=1000",
-                    launcher=torchrun("--standalone", "--log-dir", str(logs), "--redirects=3"))
-    agent = start(cmd, tmp_path / "log.txt")
-    wait_for_iteration(out / "metrics.jsonl", K, agent)
-    os.kill(worker_pid(agent.pid, rank=1), signal.SIGKILL)
-    assert agent.wait(TIMEOUT) != 0
-    (rank0,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
-    text = rank0.read_text()
+    (stderr,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
+    text = stderr.read_text()
     context = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in [tmp_path / "log.txt", *sorted(logs.rglob("*.log"))])
     assert "Traceback" not in text, context
     errors = [line for line in text.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "rank 1" in errors[0], context
+    assert len(errors) == 1, context
+    return errors
+
+
+def test_lost_rank_is_one_line(data_root, tmp_path):
+    agent = start_two_ranks(data_root, tmp_path)
+    wait_for_iteration(tmp_path / "run" / "metrics.jsonl", K, agent)
+    os.kill(worker_pid(agent.pid, rank=1), signal.SIGKILL)
+    assert agent.wait(TIMEOUT) != 0
+    assert "rank 1" in rank0_error_lines(tmp_path)[0]
 
 
 def wait_for_text(path: Path, text: str, proc: subprocess.Popen) -> None:
@@ -220,12 +232,8 @@ def test_lost_rank_while_setting_up_is_one_line(data_root, tmp_path):
     action in one of several ranks). Rank 0 is stopped (SIGSTOP) once it has set up
     its process group, rank 1 is killed, and rank 0 continues once the agent has sent it
     SIGTERM: its one line names rank 1."""
-    out = tmp_path / "run"
-    logs = tmp_path / "logs"
-    cmd = train_cmd(data_root, out, "solver.max_iter=1000",
-                    launcher=torchrun("--standalone", "--log-dir", str(logs), "--redirects=3"))
-    agent = start(cmd, tmp_path / "log.txt")
-    wait_for_text(out / "log.txt", "process: ", agent)  # rank 0's log: the process group is up
+    agent = start_two_ranks(data_root, tmp_path)
+    wait_for_text(tmp_path / "run" / "log.txt", "process: ", agent)  # rank 0's log: the process group is up
     rank0 = worker_pid(agent.pid, rank=0)
     os.kill(rank0, signal.SIGSTOP)
     try:
@@ -234,13 +242,8 @@ def test_lost_rank_while_setting_up_is_one_line(data_root, tmp_path):
     finally:
         os.kill(rank0, signal.SIGCONT)
     assert agent.wait(TIMEOUT) != 0
-    (stderr,) = [p for p in logs.rglob("stderr.log") if p.parent.name == "0"]
-    text = stderr.read_text()
-    context = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in [tmp_path / "log.txt", *sorted(logs.rglob("*.log"))])
-    assert "Traceback" not in text, context
-    errors = [line for line in text.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: lost rank 1 (pid "), context
-    assert "exitcode  : 1 " in (tmp_path / "log.txt").read_text(), context  # its own status, not -15
+    assert rank0_error_lines(tmp_path)[0].startswith("error: lost rank 1 (pid ")
+    assert "exitcode  : 1 " in (tmp_path / "log.txt").read_text()  # its own status, not -15 (SIGTERM)
 
 
 def test_two_nodes_train_to_the_end(data_root, straight, tmp_path):
