@@ -439,6 +439,8 @@ def test_a_signal_after_the_loop_ended_acts_at_once(caplog):
         raise Stopped(signum)
 
     previous = signal.signal(signal.SIGTERM, before)
+    # Ctrl-C's handler, as in a terminal (a test run started in the background inherits an ignored SIGINT)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     hook = SignalHook()
     state = LoopState(max_iter=10)
     try:
@@ -452,6 +454,7 @@ def test_a_signal_after_the_loop_ended_acts_at_once(caplog):
     finally:
         hook.after_train(state)
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def test_a_sigterm_while_the_run_ends_after_an_error_changes_nothing(caplog):
