@@ -146,12 +146,10 @@ def analyse(args: argparse.Namespace, gt, results, score_thresh: float, image_di
 
 def run_model(args: argparse.Namespace) -> int:
     """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
-    from detector.data import build_dataset, cache_in, check_trained_classes, resolve_num_classes
-    from detector.modeling.trained_config import warn_other_settings
-    from detector.modeling.weights import load_model_weights, uses_ema_weights
+    from detector.data import build_dataset, cache_in, resolve_num_classes
     from detector.distributed import cleanup, init_distributed, report_lost_rank
     from detector.engine.log import setup_logging
-    from detector.evaluation import OUTPUT_FILES, evaluate
+    from detector.evaluation import OUTPUT_FILES, evaluate, load_trained_weights
     from detector.modeling import build_model
 
     check_outputs_apart(args, [*OUTPUT_FILES, "log.txt"])
@@ -167,9 +165,7 @@ def run_model(args: argparse.Namespace) -> int:
         if cfg.model.num_classes is None:  # auto: the run's config.yaml holds the number; else the data's
             cfg = resolve_num_classes(cfg, dataset, split="val")
         model = build_model(cfg)
-        report = load_model_weights(model, args.weights, use_ema=uses_ema_weights(cfg))
-        check_trained_classes(cfg, report.trained_classes, dataset.class_names, args.weights)
-        warn_other_settings(report.trained_settings, cfg, args.weights)
+        load_trained_weights(model, cfg, args.weights, dataset.class_names)
         model.to(info.device)
         evaluate(model, dataset, cfg, output_dir=args.output_dir)
         if info.rank == 0 and args.output_dir:

@@ -40,12 +40,11 @@ from benchmarks.tasks import benchmark_exported  # noqa: E402
 from detector.cli import output_file, run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
 from detector.config.schema import MAX_IMAGE_SIDE  # noqa: E402
-from detector.data import check_trained_classes, class_names_for  # noqa: E402
+from detector.data import class_names_for  # noqa: E402
 from detector.data.files import load_image  # noqa: E402
 from detector.data.shapes import generate_image  # noqa: E402
 from detector.files import check_writes_apart  # noqa: E402
-from detector.modeling.trained_config import warn_other_settings  # noqa: E402
-from detector.modeling.weights import load_model_weights, uses_ema_weights  # noqa: E402
+from detector.evaluation.trained_weights import load_trained_weights  # noqa: E402
 from detector.modeling import build_model  # noqa: E402
 from detector.modeling.export import (  # noqa: E402
     BOX_RTOL,
@@ -139,14 +138,12 @@ def export(args: argparse.Namespace) -> int:
     # --weights holds every weight: build without initial weights (nothing to download).
     cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
     model = build_model(cfg)
-    report = load_model_weights(model, args.weights, use_ema=uses_ema_weights(cfg))  # the evaluated weights
-    warn_other_settings(report.trained_settings, cfg, args.weights)
+    class_names = None if args.verify_only else class_names_for(cfg)  # the file's metadata
+    load_trained_weights(model, cfg, args.weights, class_names)
     model.eval()
     images = test_images(tuple(args.image_size or default_image_size(cfg)), args.image)
     output = Path(args.output)
-    if not args.verify_only:
-        class_names = class_names_for(cfg)
-        check_trained_classes(cfg, report.trained_classes, class_names, args.weights)
+    if class_names is not None:
         metadata = export_metadata(class_names, cfg.input.min_size_test, cfg.input.max_size_test)
         export_model(model, args.format, output, images[0], opset=args.opset, metadata=metadata)
         print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {args.format})")

@@ -23,7 +23,7 @@ import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bo
 
 from detector.cli import run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
-from detector.data import check_trained_classes, class_names_for  # noqa: E402  (test_label_space reads class_names_for here)
+from detector.data import class_names_for  # noqa: E402  (test_label_space reads class_names_for here)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -52,10 +52,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def infer(args: argparse.Namespace) -> int:
     """Detect on every image of --input; write the drawings and detections.json."""
     from detector.data.transforms import build_transforms
-    from detector.modeling.trained_config import warn_other_settings
-    from detector.modeling.weights import load_model_weights, uses_ema_weights
     from detector.distributed import resolve_device
-    from detector.evaluation import list_images, predict_files, write_json
+    from detector.evaluation import list_images, load_trained_weights, predict_files, write_json
     from detector.evaluation.tta import tta_settings
     from detector.modeling import build_model
 
@@ -63,10 +61,8 @@ def infer(args: argparse.Namespace) -> int:
     paths = list_images(args.input)
     device = resolve_device(cfg.train.device)
     model = build_model(cfg)
-    report = load_model_weights(model, args.weights, use_ema=uses_ema_weights(cfg))  # the evaluated weights
     class_names = class_names_for(cfg)
-    check_trained_classes(cfg, report.trained_classes, class_names, args.weights)
-    warn_other_settings(report.trained_settings, cfg, args.weights)
+    load_trained_weights(model, cfg, args.weights, class_names)
     model.to(device).eval()
     records, skipped = predict_files(
         model,

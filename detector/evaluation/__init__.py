@@ -4,7 +4,8 @@ distributed inference loop, reports, plots and result files.
 Modules: ``inference`` (the model over a loader or image files), ``report``
 (``evaluate``, ``score_detections``, the output files, the table, TensorBoard),
 ``results`` (results and ground-truth files: read, check, write), ``coco``, ``voc``,
-``iou`` (IoU metrics on per-image :class:`EvalImage`), ``plots`` (PNG plots, drawing).
+``iou`` (IoU metrics on per-image :class:`EvalImage`), ``plots`` (PNG plots, drawing),
+``trained_weights`` (``load_trained_weights``: the weights eval, infer and export load).
 
 ``evaluate(model, dataset, cfg, output_dir=None) -> dict[str, float]`` is the entry
 point used by the trainer and ``tools/eval.py``; ``score_detections`` scores a results
@@ -19,6 +20,7 @@ from .report import (OUTPUT_FILES, ScoreReport, evaluate, format_table, score_de
                      write_report)
 from .eval_files import load_ground_truth, load_predictions
 from .results import ResultsError, UnknownImageError
+from .trained_weights import load_trained_weights
 from .voc import ap_area, ap_voc07, voc_evaluate
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "evaluate",
     "format_table",
     "list_images",
+    "load_trained_weights",
     "load_ground_truth",
     "load_predictions",
     "predict_files",
