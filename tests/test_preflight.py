@@ -294,6 +294,38 @@ def test_voc_default_classes_still_refuse_unknown_names(voc_root):
         VOCDetection(voc_root, "train")
 
 
+def test_a_voc_class_of_difficult_objects_only_trains_only_with_use_difficult(voc_root, tmp_path):
+    """A listed class whose every object is marked difficult has no training box (difficult
+    boxes train only with data.use_difficult): refused in training with a line saying
+    so, alone and joined with another set; it used to pass the check and train no box."""
+    for xml in (voc_root / "Annotations").glob("*.xml"):
+        text = xml.read_text()
+        xml.write_text(text.replace("<name>cat</name><difficult>0</difficult>", "<name>cat</name><difficult>1</difficult>"))
+    (voc_root / "ImageSets" / "Main" / "one.txt").write_text("b\n")
+    (voc_root / "ImageSets" / "Main" / "two.txt").write_text("a\nc\n")
+    overrides = _voc_overrides(voc_root, tmp_path / "o") + ["data.class_names=[dog,cat]"]
+    extra = [f"data.train_extra=[{{root: '{voc_root}', split: one}}]", "data.train.split=two"]
+    alone, joined = load_config(TINY, overrides), load_config(TINY, overrides + extra)
+    for cfg, where in ((alone, r"in .*VOC2012 \(train\)$"), (joined, r"in the training sets \(data\.train, "
+                                                                       r"data\.train_extra\[0\]\)$")):
+        with pytest.raises(DataError, match=r"^data\.class_names: 'cat' has only difficult objects \(trained on with "
+                                            r"data\.use_difficult=true\) " + where):
+            build_dataset(cfg, "train", True)
+    # tools/check_dataset.py says what training refuses (it used to say OK)
+    from detector.data.check import check_datasets
+    (alone_report,) = check_datasets(alone, "train", decode=False)
+    assert alone_report.errors == [f"data.class_names: 'cat' has only difficult objects (trained on with "
+                                   f"data.use_difficult=true) in {alone_report.source}"]
+    joined_reports = check_datasets(joined, "train", decode=False)
+    assert [r.errors for r in joined_reports] == [["data.class_names: 'cat' has only difficult objects (trained on "
+                                                   "with data.use_difficult=true) in the training sets (data.train, "
+                                                   "data.train_extra[0])"], []]
+    with_difficult = ["data.use_difficult=true"]
+    assert build_dataset(load_config(TINY, overrides + with_difficult), "train", True).num_training_boxes() == 4
+    assert not check_datasets(load_config(TINY, overrides + with_difficult + extra), "train", decode=False)[0].errors
+    assert build_dataset(load_config(TINY, overrides + with_difficult + extra), "train", True).num_training_boxes() == 4
+
+
 def test_voc_subset_class_without_objects_is_an_error_in_training(voc_root, tmp_path):
     cfg = load_config(TINY, _voc_overrides(voc_root, tmp_path / "o") + ["data.class_names=[dog,persn]"])
     with pytest.raises(DataError, match=r"data.class_names: 'persn' has no object in .*did you mean 'person'"):

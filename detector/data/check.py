@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
+import numpy as np
+
 from detector.config import Config, ConfigError
 from detector.files import missing_file_state
 from detector.messages import first_line
@@ -26,7 +28,7 @@ from .build import build_dataset, check_data_paths, split_sources
 from .concat import file_in_two_sets
 from .classes import check_val_classes, resolve_class_names
 from .coco import parse_coco
-from .dataset import ImageRecord, Issues, fraction_coordinates_problem, other_classes_text
+from .dataset import ImageRecord, Issues, class_without_training_boxes, fraction_coordinates_problem, other_classes_text
 from .files import DataError, decode_image
 from .voc import VOC_CLASSES, parse_voc
 
@@ -171,11 +173,14 @@ def _check_image_file(report: CheckReport, r: ImageRecord, decode: bool, apply_e
 def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> CheckReport:
     """Check ``cfg.data.<split>``; never raises on bad data, reports it instead. The val
     set is read as training reads it (``val_as_in_training``)."""
-    return _check_one(cfg, split, decode)[0]
+    report, records = _check_one(cfg, split, decode)
+    if split == "train":
+        _check_every_class(report, cfg, records, f" in {report.source}")
+    return report
 
 
-def _check_one(cfg: Config, split: str, decode: bool) -> Tuple[CheckReport, List[str]]:
-    """``check_dataset``'s report, and the image paths of the records read."""
+def _check_one(cfg: Config, split: str, decode: bool) -> Tuple[CheckReport, List[ImageRecord]]:
+    """``check_dataset``'s report (without ``_check_every_class``), and the records read."""
     issues = Issues(strict=False, log_skips=False)
     source = describe_source(cfg, split)
     class_errors: List[str] = []
@@ -222,7 +227,7 @@ def _check_one(cfg: Config, split: str, decode: bool) -> Tuple[CheckReport, List
         "medium": sum(1 for a in box_sizes if 32**2 <= a < 96**2),
         "large (>= 96^2)": sum(1 for a in box_sizes if a >= 96**2),
     }
-    return report, [r.path for r in records]
+    return report, records
 
 
 def check_datasets(cfg: Config, split: str = "train", decode: bool = True) -> List[CheckReport]:
@@ -247,10 +252,25 @@ def check_datasets(cfg: Config, split: str = "train", decode: bool = True) -> Li
         if list(report.per_class) != first:
             report.errors.append(f"{key}: its classes {list(report.per_class)} are not data.train's {first} (one "
                                  "label, one class: training refuses them); set data.class_names")
-    twice = file_in_two_sets([(key, paths) for (key, _), (_, paths) in zip(sources, checked)])
+    twice = file_in_two_sets([(key, [r.path for r in records]) for (key, _), (_, records) in zip(sources, checked)])
     if twice is not None:
         reports[[key for key, _ in sources].index(twice[0])].errors.append(twice[1])
+    _check_every_class(reports[0], cfg, [r for _, records in checked for r in records],
+                       f" in the training sets ({', '.join(key for key, _ in sources)})")
     return reports
+
+
+def _check_every_class(report: CheckReport, cfg: Config, records: Sequence[ImageRecord], where: str) -> None:
+    """Training's rule for a VOC class subset (``data.class_names``): each class has a
+    training box in the training set, or, joined, in the training sets; else the error
+    training raises goes into ``report``."""
+    if cfg.data.format != "voc" or not cfg.data.class_names:
+        return
+    labels = np.concatenate([r.labels for r in records]) if records else np.zeros(0, np.int64)
+    difficult = np.concatenate([r.difficult for r in records]) if records else np.zeros(0, bool)
+    missing = class_without_training_boxes(labels, difficult, cfg.data.class_names, cfg.data.use_difficult)
+    if missing is not None:
+        report.errors.append(f"data.class_names: {missing[0]!r} {missing[1]}{where}")
 
 
 def format_report(report: CheckReport) -> str:

@@ -218,11 +218,20 @@ def log_other_classes(source: str, class_names: Sequence[str], dropped: Counter)
                    source, len(class_names), sum(dropped.values()), other_classes_text(class_names, dropped))
 
 
-def classes_without_objects(labels: np.ndarray, class_names: Sequence[str]) -> List[str]:
-    """The names of ``class_names`` (labels 1..K) that no box of ``labels`` (int ``[N]``)
-    has, in label order."""
-    present = set(np.unique(labels).tolist())
-    return [name for label, name in enumerate(class_names, start=1) if label not in present]
+def class_without_training_boxes(labels: np.ndarray, difficult: np.ndarray, class_names: Sequence[str],
+                                 use_difficult: bool) -> Optional[Tuple[str, str]]:
+    """The first class of ``class_names`` (labels 1..K) that no training box has, as
+    ``(name, "has no object")`` or ``(name, "has only difficult objects (...)")``; None
+    when each class has one. ``labels`` int ``[N]`` and ``difficult`` bool ``[N]``: every
+    box; a difficult box trains only with ``use_difficult`` (VOC has no crowd boxes)."""
+    trains = labels if use_difficult else labels[~difficult]
+    present, anywhere = set(np.unique(trains).tolist()), set(np.unique(labels).tolist())
+    for label, name in enumerate(class_names, start=1):
+        if label not in present:
+            if label in anywhere:
+                return name, "has only difficult objects (trained on with data.use_difficult=true)"
+            return name, "has no object"
+    return None
 
 
 def drop_images_without_training_boxes(store: RecordStore, use_difficult: bool) -> RecordStore:

@@ -15,7 +15,7 @@ import numpy as np
 
 from detector.messages import did_you_mean
 
-from .dataset import (DetectionDataset, ImageRecord, Issues, Transform, check_box, classes_without_objects,
+from .dataset import (DetectionDataset, ImageRecord, Issues, Transform, check_box, class_without_training_boxes,
                       log_other_classes, rows_to_arrays)
 from .files import DataError, path_within
 from .schema import VocObject
@@ -153,7 +153,8 @@ class VOCDetection(DetectionDataset):
     Labels follow ``class_names`` (1..K); ``label_to_category_id`` is the identity.
     ``class_names`` None means VOC's 20 (another class in the XML is an error); a given
     list is a subset: objects of other classes are dropped and counted in the log, and
-    with ``require_every_class`` (training) a listed class without any object is an error.
+    with ``require_every_class`` (training) a listed class without a training box (an
+    object; not only difficult ones, unless ``use_difficult``) is an error.
     ``difficult`` objects are flagged; they are trained on only with ``use_difficult``.
     Image ids: see ``voc_image_ids``.
     """
@@ -181,18 +182,23 @@ class VOCDetection(DetectionDataset):
                         root, split, len(issues.non_integer), issues.non_integer[0])
         self.num_non_integer_boxes = len(issues.non_integer)
         if subset and require_every_class:
-            _check_every_class(records, class_names, issues.other_classes, f"{root} ({split})")
+            _check_every_class(records, class_names, issues.other_classes, f"{root} ({split})", use_difficult)
         log_other_classes(f"{root} ({split})", class_names, issues.other_classes)
         super().__init__(records, class_names, {i + 1: i + 1 for i in range(len(class_names))},
                          transforms=transforms, use_difficult=use_difficult, filter_empty=filter_empty,
                          skipped=issues.skipped, source=f"{root} ({split})")
 
 
-def _check_every_class(records: List[ImageRecord], class_names: Sequence[str], others: Counter, source: str) -> None:
-    """A training set must hold at least one object of every class of ``data.class_names``."""
-    labels = np.concatenate([r.labels for r in records]) if records else np.zeros(0, np.int64)
-    missing = classes_without_objects(labels, class_names)
+def _check_every_class(records: List[ImageRecord], class_names: Sequence[str], others: Counter, source: str,
+                       use_difficult: bool) -> None:
+    """A training set must hold a training box of every class of ``data.class_names``."""
+    if records:
+        labels, difficult = np.concatenate([r.labels for r in records]), np.concatenate([r.difficult for r in records])
+    else:
+        labels, difficult = np.zeros(0, np.int64), np.zeros(0, bool)
+    missing = class_without_training_boxes(labels, difficult, class_names, use_difficult)
     if missing:
-        name = missing[0]
-        hint = did_you_mean(name, others) or f"; the data's other classes: {', '.join(sorted(others)) or 'none'}"
-        raise DataError(f"data.class_names: {name!r} has no object in {source}{hint}")
+        name, what = missing
+        hint = "" if what != "has no object" else (
+            did_you_mean(name, others) or f"; the data's other classes: {', '.join(sorted(others)) or 'none'}")
+        raise DataError(f"data.class_names: {name!r} {what} in {source}{hint}")
