@@ -330,6 +330,9 @@ def test_voc_subset_class_without_objects_is_an_error_in_training(voc_root, tmp_
     cfg = load_config(TINY, _voc_overrides(voc_root, tmp_path / "o") + ["data.class_names=[dog,persn]"])
     with pytest.raises(DataError, match=r"data.class_names: 'persn' has no object in .*did you mean 'person'"):
         build_dataset(cfg, "train", True)
+    from detector.data.check import check_dataset  # the checker says the same (it used to say OK)
+    (error,) = check_dataset(cfg, "train", decode=False).errors
+    assert error.startswith("data.class_names: 'persn' has no object in VOC ") and "did you mean 'person'" in error
     assert build_dataset(cfg, "val", False).num_classes == 2  # a val split may lack a class
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from detector.config import Config, ConfigError
 from detector.files import missing_file_state
-from detector.messages import first_line
+from detector.messages import did_you_mean, first_line
 
 from .build import build_dataset, check_data_paths, split_sources
 from .concat import file_in_two_sets
@@ -270,7 +270,8 @@ def _check_every_class(report: CheckReport, cfg: Config, records: Sequence[Image
     difficult = np.concatenate([r.difficult for r in records]) if records else np.zeros(0, bool)
     missing = class_without_training_boxes(labels, difficult, cfg.data.class_names, cfg.data.use_difficult)
     if missing is not None:
-        report.errors.append(f"data.class_names: {missing[0]!r} {missing[1]}{where}")
+        hint = did_you_mean(missing[0], report.other_classes) if missing[1] == "has no object" else None
+        report.errors.append(f"data.class_names: {missing[0]!r} {missing[1]}{where}{hint or ''}")
 
 
 def format_report(report: CheckReport) -> str:
