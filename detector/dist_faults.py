@@ -40,7 +40,8 @@ _TIMEOUT_SIGNS = ("timed out waiting", "application timeout", "collective operat
 # A slow collective is logged after this fraction of train.dist_timeout_s, at most SLOW_MAX_S.
 SLOW_FRACTION, SLOW_MAX_S = 0.2, 60.0
 
-_ADVICE = "resume with --resume, or launch with torchrun --max-restarts=N ... --resume to restart automatically"
+# What a lost-rank line advises by default (training); tools/eval.py passes its own.
+RESUME_ADVICE = "resume with --resume, or launch with torchrun --max-restarts=N ... --resume to restart automatically"
 
 
 def _process_state(pid: int) -> Optional[str]:
@@ -83,13 +84,15 @@ def _describe(info: Any, stuck: List[Tuple[int, str]]) -> str:
     return ", ".join(f"rank {r} (pid {info.peers[r][1]} on {host}: {state})" for r, state in stuck)
 
 
-def lost_rank_message(exc: BaseException, info: Any, wait_s: float = 3.0) -> Optional[str]:
+def lost_rank_message(exc: BaseException, info: Any, wait_s: float = 3.0,
+                      advice: str = RESUME_ADVICE) -> Optional[str]:
     """One line for ``exc`` when it is a collective failing because another rank's process
     ended, or did not answer within the process group's timeout; None for any other error.
 
     The lost rank is found among the ranks on this host (a process that ended, waiting up
     to ``wait_s`` seconds for it to finish exiting, or one that is stopped); when none is
-    and exactly one other rank runs on another host, that rank is named.
+    and exactly one other rank runs on another host, that rank is named. The line ends
+    with ``advice`` (default: how to resume a training run).
     """
     if info is None or info.world_size < 2 or len(info.peers) != info.world_size:
         return None
@@ -108,37 +111,37 @@ def lost_rank_message(exc: BaseException, info: Any, wait_s: float = 3.0) -> Opt
         time.sleep(0.1)
     timeout = f"within train.dist_timeout_s={info.timeout_s:g} s"
     if ended:
-        return _ended_line(info, [r for r, _ in ended])
+        return _ended_line(info, [r for r, _ in ended], advice)
     if timed_out and stuck:
         return (f"{_describe(info, stuck)} of {info.world_size} did not answer {timeout}, so rank {info.rank} "
-                f"stops too; {_ADVICE}")
+                f"stops too; {advice}")
     if len(remote) == 1:
         r = remote[0]
         if timed_out:
             return (f"rank {r} of {info.world_size} on {info.peers[r][0]} did not answer {timeout}, so rank "
-                    f"{info.rank} stops too; {_ADVICE}")
+                    f"{info.rank} stops too; {advice}")
         return (f"lost contact with rank {r} of {info.world_size} on {info.peers[r][0]}, so rank {info.rank} "
-                f"stops too; {_ADVICE}")
+                f"stops too; {advice}")
     if timed_out:
         return (f"another rank did not answer {timeout} (frozen, stopped or on a lost host), so rank {info.rank} "
-                f"stops too; {_ADVICE}")
-    return f"lost contact with another rank ({first_line(exc)}), so rank {info.rank} stops too; {_ADVICE}"
+                f"stops too; {advice}")
+    return f"lost contact with another rank ({first_line(exc)}), so rank {info.rank} stops too; {advice}"
 
 
-def _ended_line(info: Any, ranks: List[int]) -> str:
+def _ended_line(info: Any, ranks: List[int], advice: str) -> str:
     host = socket.gethostname()
     who = ", ".join(f"rank {r} (pid {info.peers[r][1]} on {host})" for r in ranks)
-    return f"lost {who} of {info.world_size}: its process ended, so rank {info.rank} stops too; {_ADVICE}"
+    return f"lost {who} of {info.world_size}: its process ended, so rank {info.rank} stops too; {advice}"
 
 
-def ended_peer_message(info: Any) -> Optional[str]:
+def ended_peer_message(info: Any, advice: str = RESUME_ADVICE) -> Optional[str]:
     """The lost-rank line when another rank's process on this host has ended (gone, or a
     zombie) at this moment, without waiting; None when none has (or for one process).
     For a SIGTERM: torchrun's agent stops the survivors once it saw a worker end."""
     if info is None or info.world_size < 2 or len(info.peers) != info.world_size:
         return None
     ended = [r for r, state in _stuck_peers(info) if state == "ended"]
-    return _ended_line(info, ended) if ended else None
+    return _ended_line(info, ended, advice) if ended else None
 
 
 def slow_after_s(timeout_s: float) -> float:
@@ -195,7 +198,7 @@ def wake_stopped_peers(info: Any) -> List[int]:
     return woken
 
 
-def report_lost_rank(exc: BaseException, info: Any) -> Optional[int]:
+def report_lost_rank(exc: BaseException, info: Any, advice: str = RESUME_ADVICE) -> Optional[int]:
     """A tool's ``except (RuntimeError, Terminated)`` in a process that may be one of
     several ranks. When ``exc`` is a collective failing because another rank ended or did
     not answer (``lost_rank_message``), or a SIGTERM (``Terminated``) that came once
@@ -213,11 +216,11 @@ def report_lost_rank(exc: BaseException, info: Any) -> Optional[int]:
     if several and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if isinstance(exc, Terminated):
-        message = ended_peer_message(info)
+        message = ended_peer_message(info, advice)
     elif isinstance(exc, DetectorError):
         message = None
     else:
-        message = lost_rank_message(exc, info)
+        message = lost_rank_message(exc, info, advice=advice)
     if message is None:
         return None
     status = report_error(exc, line=message)

@@ -35,6 +35,9 @@ def test_names_the_rank_whose_process_ended():
     assert message is not None and "\n" not in message
     assert message.startswith(f"lost rank 2 (pid {peers[2][1]} on {host}) of 3: its process ended, so rank 0 stops too")
     assert "--resume" in message and "--max-restarts" in message
+    # tools/eval.py, which has no --resume, gives its own advice
+    assert lost_rank_message(GLOO_LOST, info(0, peers), wait_s=0.5, advice="run it again").endswith(
+        "so rank 0 stops too; run it again")
 
 
 def test_the_only_rank_on_another_host_is_named():

@@ -176,7 +176,7 @@ def run_model(args: argparse.Namespace) -> int:
         # Another rank ended (a collective failed, or torchrun's SIGTERM came after it), or
         # did not answer within train.dist_timeout_s: one line naming it, as tools/train.py
         # does. Anything else goes on up.
-        status = report_lost_rank(exc, info)
+        status = report_lost_rank(exc, info, advice="run the evaluation again")  # (no --resume here)
         if status is None:
             raise
         return status
