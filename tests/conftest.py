@@ -3,6 +3,7 @@ tiny-model test config (``tests/configs/tiny.yaml``) with its helpers."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -106,6 +107,38 @@ def signal_train_run(data_root: PathLike, output_dir: PathLike, sig: int, wait_s
         proc.send_signal(sig)
     stdout, _ = proc.communicate(timeout=120)
     return proc, stdout, args
+
+
+# --------------------------------------------------------------------------- processes of a launch
+
+
+def worker_pid(agent: int, rank: int) -> int:
+    """PID of the process with ``RANK=rank`` among the descendants of ``agent``. A thread
+    or process that ends while it is read (a loader worker, a gloo thread) is passed over."""
+    todo = [agent]
+    while todo:
+        pid = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            if pid != agent:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                        return pid
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no process with RANK={rank} under {agent}")
+
+
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Return once the file ``path`` contains ``text``."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{text!r} never appeared in {path} (exit status {proc.poll()})")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,59 @@ def test_an_image_missing_on_one_rank_stops_every_rank_with_one_line(tmp_path):
         assert len(errors) == 1 and "Traceback" not in text and missing.name in errors[0], (rank, text[-3000:])
     assert "evaluation failed on rank 1 (FileNotFoundError" in stderr["0"]  # rank 0 names rank 1
     assert "rank 1" not in stderr["1"]  # rank 1 names its own missing file
+
+
+def _rank_file(logs: Path, rank: int, name: str, agent: subprocess.Popen) -> Path:
+    """``<logs>/<run>/attempt_0/<rank>/<name>`` once torchrun has made it."""
+    deadline = time.time() + 300
+    while time.time() < deadline and agent.poll() is None:
+        found = list(logs.rglob(f"{rank}/{name}"))
+        if found:
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"torchrun wrote no {rank}/{name} under {logs} (exit status {agent.poll()})")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_lost_rank_stops_the_evaluation_with_one_line(tmp_path):
+    """Rank 1 killed while the ranks evaluate: rank 0 ends with one line naming it and
+    advising to run the evaluation again (it gave training's `--resume`, which eval does
+    not take), also when torchrun's SIGTERM reaches it before a collective fails (it
+    ended without a word, -15). Rank 0 is stopped once its weights are loaded, rank 1
+    killed, and rank 0 continues once the agent has sent it SIGTERM."""
+    import signal
+
+    from detector.config import load_config
+    from detector.data.shapes import ensure_shapes
+    from detector.modeling import build_model
+    from conftest import wait_for_text, worker_pid
+
+    data = tmp_path / "shapes"
+    overrides = tiny_overrides(data, None, "data.shapes.num_train=1", "data.shapes.num_val=40",
+                               "data.shapes.max_side=96", "input.min_size_test=64", "input.max_size_test=96")
+    cfg = load_config(TINY_CONFIG, overrides)
+    ensure_shapes(data, 1, 40, cfg.data.shapes.seed, 64, 96)
+    torch.save(build_model(cfg).state_dict(), tmp_path / "w.pth")
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--monitor-interval=0.2", "--log-dir", str(logs), "--redirects=3", str(ROOT / "tools" / "eval.py"),
+           "--config", str(TINY_CONFIG), "--weights", str(tmp_path / "w.pth"), "--output-dir", str(tmp_path / "out"),
+           *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with (tmp_path / "agent.txt").open("w") as out:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    wait_for_text(_rank_file(logs, 0, "stdout.log", agent), "weights loaded", agent)
+    rank0 = worker_pid(agent.pid, rank=0)
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        os.kill(worker_pid(agent.pid, rank=1), signal.SIGKILL)
+        wait_for_text(tmp_path / "agent.txt", f"Sending process {rank0} closing signal SIGTERM", agent)
+    finally:
+        os.kill(rank0, signal.SIGCONT)
+    assert agent.wait(300) != 0
+    (stderr,) = logs.rglob("0/stderr.log")
+    text = stderr.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert "Traceback" not in text and len(errors) == 1, text[-3000:]
+    assert errors[0].startswith("error: lost rank 1 (pid ") and errors[0].endswith("; run the evaluation again")

@@ -15,7 +15,6 @@ stops then depends on timing, and the final weights must not.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -29,7 +28,7 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from conftest import TINY_CONFIG, tiny_config, tiny_overrides
+from conftest import TINY_CONFIG, tiny_config, tiny_overrides, wait_for_text, worker_pid
 from detector.data.shapes import ensure_shapes
 
 from conftest import ROOT  # noqa: E402
@@ -90,25 +89,6 @@ def wait_for_iteration(metrics: Path, k: int, proc: subprocess.Popen) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"iteration {k} never reached (exit status {proc.poll()})")
-
-
-def worker_pid(agent: int, rank: int) -> int:
-    """PID of the process with ``RANK=rank`` among the descendants of ``agent``. A thread
-    or process that ends while it is read (a loader worker, a gloo thread) is passed over."""
-    todo = [agent]
-    while todo:
-        pid = todo.pop()
-        try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            if pid != agent:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                        return pid
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    raise AssertionError(f"no process with RANK={rank} under {agent}")
 
 
 def model_of(out: Path) -> Dict[str, torch.Tensor]:
@@ -213,16 +193,6 @@ def test_lost_rank_is_one_line(data_root, tmp_path):
     os.kill(worker_pid(agent.pid, rank=1), signal.SIGKILL)
     assert agent.wait(TIMEOUT) != 0
     assert "rank 1" in rank0_error_lines(tmp_path)[0]
-
-
-def wait_for_text(path: Path, text: str, proc: subprocess.Popen) -> None:
-    """Return once the file ``path`` contains ``text``."""
-    deadline = time.time() + TIMEOUT
-    while time.time() < deadline and proc.poll() is None:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{text!r} never appeared in {path} (exit status {proc.poll()})")
 
 
 def test_lost_rank_while_setting_up_is_one_line(data_root, tmp_path):
