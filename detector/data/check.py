@@ -18,17 +18,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-import numpy as np
-
 from detector.config import Config, ConfigError
 from detector.files import missing_file_state
-from detector.messages import did_you_mean, first_line
+from detector.messages import first_line
 
 from .build import build_dataset, check_data_paths, split_sources
 from .concat import file_in_two_sets
 from .classes import check_val_classes, resolve_class_names
 from .coco import parse_coco
-from .dataset import ImageRecord, Issues, class_without_training_boxes, fraction_coordinates_problem, other_classes_text
+from .dataset import (ImageRecord, Issues, fraction_coordinates_problem, missing_class_line, other_classes_text,
+                      record_boxes)
 from .files import DataError, decode_image
 from .voc import VOC_CLASSES, parse_voc
 
@@ -175,7 +174,7 @@ def check_dataset(cfg: Config, split: str = "train", decode: bool = True) -> Che
     set is read as training reads it (``val_as_in_training``)."""
     report, records = _check_one(cfg, split, decode)
     if split == "train":
-        _check_every_class(report, cfg, records, f" in {report.source}")
+        _check_every_class(report, cfg, records, report.source)
     return report
 
 
@@ -256,7 +255,7 @@ def check_datasets(cfg: Config, split: str = "train", decode: bool = True) -> Li
     if twice is not None:
         reports[[key for key, _ in sources].index(twice[0])].errors.append(twice[1])
     _check_every_class(reports[0], cfg, [r for _, records in checked for r in records],
-                       f" in the training sets ({', '.join(key for key, _ in sources)})")
+                       f"the training sets ({', '.join(key for key, _ in sources)})")
     return reports
 
 
@@ -266,12 +265,10 @@ def _check_every_class(report: CheckReport, cfg: Config, records: Sequence[Image
     training raises goes into ``report``."""
     if cfg.data.format != "voc" or not cfg.data.class_names:
         return
-    labels = np.concatenate([r.labels for r in records]) if records else np.zeros(0, np.int64)
-    difficult = np.concatenate([r.difficult for r in records]) if records else np.zeros(0, bool)
-    missing = class_without_training_boxes(labels, difficult, cfg.data.class_names, cfg.data.use_difficult)
-    if missing is not None:
-        hint = did_you_mean(missing[0], report.other_classes) if missing[1] == "has no object" else None
-        report.errors.append(f"data.class_names: {missing[0]!r} {missing[1]}{where}{hint or ''}")
+    line = missing_class_line(*record_boxes(records), cfg.data.class_names, cfg.data.use_difficult, where,
+                              report.other_classes)
+    if line is not None:
+        report.errors.append(line)
 
 
 def format_report(report: CheckReport) -> str:

@@ -27,7 +27,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .dataset import DetectionDataset, Transform, class_without_training_boxes
+from .dataset import DetectionDataset, Transform, missing_class_line
 from .files import DataError
 from .records import RecordStore
 
@@ -92,14 +92,15 @@ def _id_offsets(parts: Sequence[Tuple[str, DetectionDataset]]) -> List[int]:
 def check_every_class(dataset: DetectionDataset, keys: Sequence[str]) -> None:
     """A joined training set holds a training box of every class (``data.class_names`` of
     VOC data: each set alone need not), by the rule each VOC set applies alone
-    (``class_without_training_boxes``: difficult objects count with ``use_difficult``).
+    (``missing_class_line``: difficult objects count with ``use_difficult``).
 
     Raises:
         DataError: the first class without one, naming the sets' keys."""
     a = dataset.records.arrays
-    missing = class_without_training_boxes(a["labels"], a["difficult"], dataset.class_names, dataset.use_difficult)
-    if missing:
-        raise DataError(f"data.class_names: {missing[0]!r} {missing[1]} in the training sets ({', '.join(keys)})")
+    line = missing_class_line(a["labels"], a["difficult"], dataset.class_names, dataset.use_difficult,
+                              f"the training sets ({', '.join(keys)})")
+    if line is not None:
+        raise DataError(line)
 
 
 def concat_datasets(parts: Sequence[Tuple[str, DetectionDataset]],

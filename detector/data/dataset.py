@@ -34,10 +34,12 @@ import unicodedata
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+
+from detector.messages import did_you_mean
 
 from .files import DataError, decode_image, decoded_warnings
 from .records import ImageRecord, RecordStore
@@ -218,20 +220,32 @@ def log_other_classes(source: str, class_names: Sequence[str], dropped: Counter)
                    source, len(class_names), sum(dropped.values()), other_classes_text(class_names, dropped))
 
 
-def class_without_training_boxes(labels: np.ndarray, difficult: np.ndarray, class_names: Sequence[str],
-                                 use_difficult: bool) -> Optional[Tuple[str, str]]:
-    """The first class of ``class_names`` (labels 1..K) that no training box has, as
-    ``(name, "has no object")`` or ``(name, "has only difficult objects (...)")``; None
-    when each class has one. ``labels`` int ``[N]`` and ``difficult`` bool ``[N]``: every
-    box; a difficult box trains only with ``use_difficult`` (VOC has no crowd boxes)."""
+def record_boxes(records: Sequence[ImageRecord]) -> Tuple[np.ndarray, np.ndarray]:
+    """The labels (int64 ``[N]``) and difficult flags (bool ``[N]``) of every box of ``records``."""
+    if not records:
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    return np.concatenate([r.labels for r in records]), np.concatenate([r.difficult for r in records])
+
+
+def missing_class_line(labels: np.ndarray, difficult: np.ndarray, class_names: Sequence[str], use_difficult: bool,
+                       where: str, others: Optional[Mapping[str, int]] = None) -> Optional[str]:
+    """Training's rule for a class subset: every class of ``class_names`` (labels 1..K) has
+    a training box among the boxes ``labels`` (int ``[N]``) and ``difficult`` (bool
+    ``[N]``; a difficult box trains only with ``use_difficult``; VOC has no crowd boxes).
+    The line for the first class that has none, ``data.class_names: 'cat' has no object
+    in <where>`` (with a hint from ``others``, the data's other class names, where given)
+    or ``... has only difficult objects (...) in <where>``; None when each class has one."""
     trains = labels if use_difficult else labels[~difficult]
     present, anywhere = set(np.unique(trains).tolist()), set(np.unique(labels).tolist())
-    for label, name in enumerate(class_names, start=1):
-        if label not in present:
-            if label in anywhere:
-                return name, "has only difficult objects (trained on with data.use_difficult=true)"
-            return name, "has no object"
-    return None
+    label, name = next(((k, n) for k, n in enumerate(class_names, start=1) if k not in present), (0, None))
+    if name is None:
+        return None
+    if label in anywhere:
+        return f"data.class_names: {name!r} has only difficult objects (trained on with data.use_difficult=true) in {where}"
+    hint = ""
+    if others is not None:
+        hint = did_you_mean(name, others) or f"; the data's other classes: {', '.join(sorted(others)) or 'none'}"
+    return f"data.class_names: {name!r} has no object in {where}{hint}"
 
 
 def drop_images_without_training_boxes(store: RecordStore, use_difficult: bool) -> RecordStore:

@@ -11,12 +11,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
-from detector.messages import did_you_mean
-
-from .dataset import (DetectionDataset, ImageRecord, Issues, Transform, check_box, class_without_training_boxes,
-                      log_other_classes, rows_to_arrays)
+from .dataset import (DetectionDataset, ImageRecord, Issues, Transform, check_box, log_other_classes,
+                      missing_class_line, record_boxes, rows_to_arrays)
 from .files import DataError, path_within
 from .schema import VocObject
 from .voc_xml import read_voc_split, read_voc_xml
@@ -192,13 +188,6 @@ class VOCDetection(DetectionDataset):
 def _check_every_class(records: List[ImageRecord], class_names: Sequence[str], others: Counter, source: str,
                        use_difficult: bool) -> None:
     """A training set must hold a training box of every class of ``data.class_names``."""
-    if records:
-        labels, difficult = np.concatenate([r.labels for r in records]), np.concatenate([r.difficult for r in records])
-    else:
-        labels, difficult = np.zeros(0, np.int64), np.zeros(0, bool)
-    missing = class_without_training_boxes(labels, difficult, class_names, use_difficult)
-    if missing:
-        name, what = missing
-        hint = "" if what != "has no object" else (
-            did_you_mean(name, others) or f"; the data's other classes: {', '.join(sorted(others)) or 'none'}")
-        raise DataError(f"data.class_names: {name!r} {what} in {source}{hint}")
+    line = missing_class_line(*record_boxes(records), class_names, use_difficult, source, others)
+    if line is not None:
+        raise DataError(line)
