@@ -141,6 +141,22 @@ def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout_s: floa
     raise AssertionError(f"{text!r} never appeared in {path} (exit status {proc.poll()})")
 
 
+def lose_rank_1_while_rank_0_is_stopped(agent: subprocess.Popen, agent_log: Path) -> None:
+    """Under torchrun (``agent``, its output in ``agent_log``): stop rank 0 (SIGSTOP),
+    kill rank 1 (SIGKILL), and let rank 0 go on (SIGCONT) once the agent has sent it
+    SIGTERM, so that the SIGTERM reaches it wherever it was stopped, before any
+    collective has failed."""
+    import signal
+
+    rank0 = worker_pid(agent.pid, rank=0)
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        os.kill(worker_pid(agent.pid, rank=1), signal.SIGKILL)
+        wait_for_text(agent_log, f"Sending process {rank0} closing signal SIGTERM", agent)
+    finally:
+        os.kill(rank0, signal.SIGCONT)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     skip_real = pytest.mark.skip(reason=f"real data folder absent: {REAL_DATA}")

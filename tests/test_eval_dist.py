@@ -80,21 +80,29 @@ def test_two_ranks_equal_one_rank(tmp_path):
     assert not (tmp_path / "one" / "cache").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.dist
-def test_an_image_missing_on_one_rank_stops_every_rank_with_one_line(tmp_path):
-    """The last image is rank 1's: rank 1 names it, rank 0 names rank 1; nobody waits for
-    the collective timeout (30 minutes)."""
+def _small_val_set(tmp_path: Path, num_val: int) -> list:
+    """Overrides for a generated val set of ``num_val`` images of up to 96 px under
+    ``tmp_path/shapes``, and random tiny-model weights in ``tmp_path/w.pth``."""
     from detector.config import load_config
     from detector.data.shapes import ensure_shapes
     from detector.modeling import build_model
 
     data = tmp_path / "shapes"
-    overrides = tiny_overrides(data, None, "data.shapes.num_train=1", "data.shapes.num_val=3",
+    overrides = tiny_overrides(data, None, "data.shapes.num_train=1", f"data.shapes.num_val={num_val}",
                                "data.shapes.max_side=96", "input.min_size_test=64", "input.max_size_test=96")
     cfg = load_config(TINY_CONFIG, overrides)
-    ensure_shapes(data, 1, 3, cfg.data.shapes.seed, 64, 96)
+    ensure_shapes(data, 1, num_val, cfg.data.shapes.seed, 64, 96)
     torch.save(build_model(cfg).state_dict(), tmp_path / "w.pth")
+    return overrides
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_an_image_missing_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    """The last image is rank 1's: rank 1 names it, rank 0 names rank 1; nobody waits for
+    the collective timeout (30 minutes)."""
+    overrides = _small_val_set(tmp_path, 3)
+    data = tmp_path / "shapes"
     last = json.loads((data / "val.json").read_text())["images"][-1]["file_name"]
     missing = next(p for p in data.rglob(Path(last).name))
     missing.unlink()
@@ -129,19 +137,9 @@ def test_a_lost_rank_stops_the_evaluation_with_one_line(tmp_path):
     not take), also when torchrun's SIGTERM reaches it before a collective fails (it
     ended without a word, -15). Rank 0 is stopped once its weights are loaded, rank 1
     killed, and rank 0 continues once the agent has sent it SIGTERM."""
-    import signal
+    from conftest import lose_rank_1_while_rank_0_is_stopped, wait_for_text
 
-    from detector.config import load_config
-    from detector.data.shapes import ensure_shapes
-    from detector.modeling import build_model
-    from conftest import wait_for_text, worker_pid
-
-    data = tmp_path / "shapes"
-    overrides = tiny_overrides(data, None, "data.shapes.num_train=1", "data.shapes.num_val=40",
-                               "data.shapes.max_side=96", "input.min_size_test=64", "input.max_size_test=96")
-    cfg = load_config(TINY_CONFIG, overrides)
-    ensure_shapes(data, 1, 40, cfg.data.shapes.seed, 64, 96)
-    torch.save(build_model(cfg).state_dict(), tmp_path / "w.pth")
+    overrides = _small_val_set(tmp_path, 40)
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--monitor-interval=0.2", "--log-dir", str(logs), "--redirects=3", str(ROOT / "tools" / "eval.py"),
@@ -151,13 +149,7 @@ def test_a_lost_rank_stops_the_evaluation_with_one_line(tmp_path):
     with (tmp_path / "agent.txt").open("w") as out:
         agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     wait_for_text(_rank_file(logs, 0, "stdout.log", agent), "weights loaded", agent)
-    rank0 = worker_pid(agent.pid, rank=0)
-    os.kill(rank0, signal.SIGSTOP)
-    try:
-        os.kill(worker_pid(agent.pid, rank=1), signal.SIGKILL)
-        wait_for_text(tmp_path / "agent.txt", f"Sending process {rank0} closing signal SIGTERM", agent)
-    finally:
-        os.kill(rank0, signal.SIGCONT)
+    lose_rank_1_while_rank_0_is_stopped(agent, tmp_path / "agent.txt")
     assert agent.wait(300) != 0
     (stderr,) = logs.rglob("0/stderr.log")
     text = stderr.read_text()

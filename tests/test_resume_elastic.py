@@ -28,7 +28,8 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from conftest import TINY_CONFIG, tiny_config, tiny_overrides, wait_for_text, worker_pid
+from conftest import (TINY_CONFIG, lose_rank_1_while_rank_0_is_stopped, tiny_config, tiny_overrides, wait_for_text,
+                      worker_pid)
 from detector.data.shapes import ensure_shapes
 
 from conftest import ROOT  # noqa: E402
@@ -204,13 +205,7 @@ def test_lost_rank_while_setting_up_is_one_line(data_root, tmp_path):
     SIGTERM: its one line names rank 1."""
     agent = start_two_ranks(data_root, tmp_path)
     wait_for_text(tmp_path / "run" / "log.txt", "process: ", agent)  # rank 0's log: the process group is up
-    rank0 = worker_pid(agent.pid, rank=0)
-    os.kill(rank0, signal.SIGSTOP)
-    try:
-        os.kill(worker_pid(agent.pid, rank=1), signal.SIGKILL)
-        wait_for_text(tmp_path / "log.txt", f"Sending process {rank0} closing signal SIGTERM", agent)
-    finally:
-        os.kill(rank0, signal.SIGCONT)
+    lose_rank_1_while_rank_0_is_stopped(agent, tmp_path / "log.txt")
     assert agent.wait(TIMEOUT) != 0
     assert rank0_error_lines(tmp_path)[0].startswith("error: lost rank 1 (pid ")
     assert "exitcode  : 1 " in (tmp_path / "log.txt").read_text()  # its own status, not -15 (SIGTERM)
