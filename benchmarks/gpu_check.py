@@ -123,18 +123,18 @@ def plan() -> List[Run]:
     two, eight = "solver.images_per_gpu=2", "solver.images_per_gpu=8"
     static_demo = ("train.device=cuda", *STATIC, "model.canvas_sizes=[[160,160]]")
     return [
-        Run("pytest-gpu", "pytest", ("-q", "-m", "gpu", "tests"), 240, parallel=True),
+        Run("pytest-gpu", "pytest", ("-q", "-n", "4", "-m", "gpu", "tests"), 240, parallel=True),
         Run("static-check-demo", "benchmark", ("--config", DEMO, "--task", "static-check", "--json",
                                                f"{OUT}/static-check-demo.json", *static_demo),
-            150, DEMO, static_demo, f"{OUT}/static-check-demo.json", parallel=True),
+            200, DEMO, static_demo, f"{OUT}/static-check-demo.json", parallel=True),
         _demo("demo", 240),
         _demo("demo-graphs", 240, *GRAPHS, "model.canvas_sizes=[[160,160]]"),
-        _bench("train-r50-graphs-bf16-2img", "train", 150, *GRAPHS, CANVAS_R50, *BF16, two),
-        _bench("train-r50-static-bf16-2img", "train", 120, *STATIC, CANVAS_R50, *BF16, two),
         _bench("train-r50-eager-bf16-2img", "train", 60, *BF16, two, iters=10, warmup=3),
-        _bench("train-r50-eager-fp16-2img", "train", 60, *FP16, two, iters=10, warmup=3),
+        _bench("train-r50-graphs-bf16-2img", "train", 210, *GRAPHS, CANVAS_R50, *BF16, two),
+        _bench("train-r50-static-bf16-2img", "train", 120, *STATIC, CANVAS_R50, *BF16, two),
         _bench("train-r50-graphs-bf16-8img", "train", 120, *GRAPHS, CANVAS_R50, *BF16, eight),
         _bench("infer-r50-eval-amp", "infer", 60, "eval.amp=true", iters=10, warmup=3),
+        _bench("train-r50-eager-fp16-2img", "train", 60, *FP16, two, iters=10, warmup=3),
         _loader("data-r50-loader", 60),
         _bench("train-r50-compiled-backbone-bf16-2img", "train", 90, "train.compile_backbone=true", CANVAS_R50,
                *BF16, two, iters=10, warmup=3),
