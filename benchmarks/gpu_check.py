@@ -87,7 +87,7 @@ class Run:
 
 def _bench(name: str, task: str, limit_s: int, *overrides: str, iters: int = 20, warmup: int = 5) -> Run:
     """``tools/benchmark.py --task train|infer --compare-torchvision`` on R50-FPN 1x."""
-    overrides = ("train.device=cuda", *overrides)
+    overrides = ("train.device=cuda", "model.backbone_weights=", *overrides)  # random init: offline
     json_file = f"{OUT}/{name}.json"
     args = ("--config", R50, "--task", task, "--compare-torchvision", "--synthetic", "--no-loader",
             "--iters", str(iters), "--warmup", str(warmup), "--json", json_file, *overrides)

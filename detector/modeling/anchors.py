@@ -49,8 +49,18 @@ class AnchorGenerator(nn.Module):
             raise ValueError(f"anchor sizes and aspect ratios must be > 0, got {sizes}, {aspect_ratios}")
         self.sizes = [list(map(float, s)) for s in sizes]
         self.aspect_ratios = list(map(float, aspect_ratios))
-        self.cell_anchors = [cell_anchors(s, self.aspect_ratios) for s in self.sizes]
+        # Non-persistent buffers (not in the state dict, as torchvision's plain list is not):
+        # they move with the model, so a compiled or CUDA-graphed step reads them on its
+        # device instead of copying them from host memory at every call.
+        for level, level_sizes in enumerate(self.sizes):
+            self.register_buffer(f"cell_anchors_{level}", cell_anchors(level_sizes, self.aspect_ratios),
+                                 persistent=False)
         self._cache: Dict[tuple, Tensor] = {}
+
+    @property
+    def cell_anchors(self) -> List[Tensor]:
+        """One ``[A, 4]`` tensor of anchors centred on (0, 0) per level, on the model's device."""
+        return [getattr(self, f"cell_anchors_{level}") for level in range(len(self.sizes))]
 
     @property
     def num_anchors_per_location(self) -> int:
