@@ -118,7 +118,7 @@ RUN: List[Tuple[str, Dict[str, str], List[str]]] = [
 # Commands not run here, and why. Each is still checked dry (test_commands_parse).
 NOT_RUN: List[Tuple[str, str]] = [
     (r"^make (test|test-fast)$", "the test suite itself (CI: .ci/run)"),
-    (r"^make setup$|^python3 -m venv |pip install ", "installs from the network"),
+    (r"^make setup$|^python3 -m venv |pip install |pip download ", "installs from the network"),
     (r"^source \.venv/bin/activate$", "the shell's environment: the tests run with the venv's python"),
     (r"^\$ ", "a transcript: run by test_transcripts_match"),
     (r"--nproc_per_node=8|--gpus|--nnodes=\$SLURM|^srun ", "needs 8 GPUs, several nodes or SLURM"),
@@ -131,7 +131,7 @@ NOT_RUN: List[Tuple[str, str]] = [
      "tests/test_error_analysis.py::test_analysis_on_the_real_coco_results_file (realdata)"),
     (r"tools/benchmark\.py|detector\.benchmark\.|benchmarks[./]|^python tests/cases\.py ",
      "a measurement of minutes (docs/performance.md); tested by tests/test_benchmark*.py"),
-    (r"^make gpu-check$|^python tools/gpu_check\.py", "needs a CUDA GPU; without one, its one line, its plan "
+    (r"^make gpu-check$|^python tools/gpu_check\.py|python3 tools/gpu_check\.py", "needs a CUDA GPU; without one, its one line, its plan "
      "(--list) and its budget are tested by tests/test_gpu_check.py"),
     (r"faster_rcnn_r50_fpn_1x_coco\.yaml --resume|configs/faster_rcnn_r50_fpn_1x_coco\.yaml$",
      "a COCO training run (the COCO download)"),
@@ -220,8 +220,9 @@ def check_dry(cmd: DocCommand) -> None:
     argv = _argv(cmd.text)
     prog = argv[0]
     if prog in ("python", "python3") and argv[1] == "-m":
-        if argv[2] != "venv":
-            _check_flags_in_help([sys.executable, "-m", argv[2]], argv, cmd.where)
+        if argv[2] != "venv":  # pip's flags are its subcommand's
+            module = argv[2:4] if argv[2] == "pip" and len(argv) > 3 else argv[2:3]
+            _check_flags_in_help([sys.executable, "-m", *module], argv, cmd.where)
     elif prog == "python":
         _parse_tool(argv[1:], cmd.where)
     elif prog == "torchrun":
@@ -242,8 +243,8 @@ def check_dry(cmd: DocCommand) -> None:
                 assert f"\n{name} = [" in (ROOT / "pyproject.toml").read_text(), f"{cmd}: no extra {name!r}"
     elif prog == "tensorboard":
         assert (Path(sys.executable).parent / "tensorboard").is_file(), f"{cmd}: tensorboard not in the venv"
-    elif prog == "source":
-        assert argv[1] == ".venv/bin/activate", cmd
+    elif prog == "source":  # the venv, or the offline GPU machine's environment (../shared/gpu/README.md)
+        assert argv[1] in (".venv/bin/activate", ".shared/gpu/env.sh"), cmd
 
 
 @pytest.mark.parametrize("cmd", ALL, ids=str)

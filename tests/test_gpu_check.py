@@ -30,7 +30,13 @@ def test_the_plan_runs_what_the_issue_lists():
     runs = {r.name: r for r in plan()}
     argv = runs["pytest-gpu"].argv()
     assert argv[1:3] == ["-m", "pytest"] and argv[-3:] == ["-m", "gpu", "tests"]
-    train = [r for r in runs.values() if "--task" in r.args and "train" in r.args]
+    train = [r for r in runs.values() if "--task" in r.args and "train" in r.args and not r.parallel]
+    # the CUDA-graph steps compile side by side with the checks first (the same overrides),
+    # so that the timed runs load the compiled step from the caches
+    compiled = {r.name: r for r in runs.values() if r.name.startswith("compile-")}
+    assert compiled and all(r.parallel and r.overrides == runs[n[len("compile-"):]].overrides
+                            for n, r in compiled.items())
+    assert {n[len("compile-"):] for n in compiled} == {r.name for r in train if "train.cuda_graphs=true" in r.overrides}
     over = {r.name: set(r.overrides) for r in train}
     graphs, static = {"train.static_step=true", "train.cuda_graphs=true"}, {"train.static_step=true"}
     assert any(graphs <= o and "solver.images_per_gpu=2" in o for o in over.values())
@@ -82,3 +88,27 @@ def test_runs_that_do_not_fit_the_budget_are_skipped_with_their_command(tmp_path
     results = run_all([Run("side", "pytest", ("--version",), 120, parallel=True), quick], 240.0, tmp_path)
     assert [r["rc"] for r in results] == [0, 0]
     assert "pytest" in " ".join(results[1]["tail"]) and (tmp_path / "pytest-version.log").is_file()
+
+
+def test_side_by_side_runs_report_the_seconds_they_ran(tmp_path):
+    """Collected in order, a quick run is still timed to its own end, and a run past its
+    limit is killed with rc 124."""
+    (tmp_path / "test_sleep.py").write_text("import time\n\ndef test_sleep():\n    time.sleep(4)\n")
+    slow = Run("slow", "pytest", ("-q", "-p", "no:cacheprovider", str(tmp_path / "test_sleep.py")), 120, parallel=True)
+    quick = Run("quick", "pytest", ("--version",), 120, parallel=True)
+    cut = Run("cut", "pytest", ("-q", "-p", "no:cacheprovider", str(tmp_path / "test_sleep.py")), 1, parallel=True)
+    results = {r["name"]: r for r in run_all([slow, quick, cut], 240.0, tmp_path)}
+    assert results["slow"]["rc"] == 0 and results["slow"]["seconds"] >= 4
+    assert results["quick"]["rc"] == 0 and results["quick"]["seconds"] < results["slow"]["seconds"] - 2
+    assert results["cut"]["rc"] == 124 and 1 <= results["cut"]["seconds"] < 3
+
+
+def test_a_missing_package_is_one_line_naming_it():
+    """An offline GPU machine may lack a dependency (the first GPU run lacked msgspec):
+    one line naming it, not a traceback through the imports."""
+    code = ("import runpy, sys; sys.path.insert(0, 'tools'); sys.modules['msgspec'] = None; sys.argv = ['tools/gpu_check.py']; "
+            "runpy.run_path('tools/gpu_check.py', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert len(lines) == 1 and "'msgspec' is missing" in lines[0], lines

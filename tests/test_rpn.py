@@ -192,3 +192,17 @@ def test_proposals_are_clipped_sorted_and_limited():
         assert 0 < len(p) <= 20
         assert (p[:, 0] >= 0).all() and (p[:, 2] <= w).all() and (p[:, 3] <= h).all()
         assert (p[:, 2] > p[:, 0]).all() and (p[:, 3] > p[:, 1]).all()
+
+
+def test_cell_anchors_move_with_the_model_and_stay_out_of_the_state_dict():
+    """They are non-persistent buffers: ``.to()`` moves them (a compiled or CUDA-graphed
+    step then reads them on its device instead of copying them from host memory at each
+    call), and the state dict stays torchvision's (its generator keeps a plain list)."""
+    gen = AnchorGenerator([[16.0], [32.0]], [0.5, 1.0, 2.0])
+    assert gen.state_dict() == {}
+    before = [c.clone() for c in gen.cell_anchors]
+    gen.to(torch.float64)
+    assert all(c.dtype == torch.float64 for c in gen.cell_anchors)
+    assert all(torch.equal(c, b.double()) for c, b in zip(gen.cell_anchors, before))
+    gen.to("meta")
+    assert all(c.device.type == "meta" for c in gen.cell_anchors)

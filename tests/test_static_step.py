@@ -108,3 +108,29 @@ def test_a_batch_that_fits_no_canvas_is_refused():
     ims, targets = random_batch(1)
     with pytest.raises(ValueError, match="model.canvas_sizes"):
         make_static_batch(model, ims, targets, 5)
+
+
+def test_the_compiled_static_losses_read_only_parameters_buffers_and_the_batch():
+    """Every tensor the one graph takes in is a parameter or buffer of the model (they
+    move with it) or a field of the batch. Any other tensor (a plain attribute) stays in
+    host memory when the model moves to a GPU: the graph then copies it at every call, a
+    host sync that also fails a CUDA-graph capture (the anchor generator's cell anchors
+    did, on the first GPU run)."""
+    model = tiny_model("train.static_step=true")
+    ims, targets = random_batch(1)
+    batch = make_static_batch(model, ims, targets, 8)
+    sources: List[str] = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                name = node.meta["grapharg"].source.name
+                sources.append(name() if callable(name) else name)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda b: static_losses(model, b, 4), backend=backend, fullgraph=True, dynamic=False)
+    fn(batch)
+    assert any("['b']" in s for s in sources) and any("_parameters" in s for s in sources)
+    others = [s for s in sources if "['b']" not in s and "_parameters" not in s and "_buffers" not in s]
+    assert others == []

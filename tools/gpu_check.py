@@ -10,7 +10,11 @@ import sys
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from benchmarks.gpu_check import main  # noqa: E402
+try:
+    from benchmarks.gpu_check import main  # noqa: E402
+except ModuleNotFoundError as exc:  # a GPU machine without network may lack what `make setup` installs
+    sys.exit(f"gpu-check: the Python package '{exc.name}' is missing here: pip install it (offline: carry its "
+             "wheel, see docs/performance.md, 'On a GPU')")
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
