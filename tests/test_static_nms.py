@@ -1,7 +1,9 @@
 """``static_nms`` against ``torchvision.ops.nms``: the same boxes in the same order,
 padded, on random sets, ties, identical boxes, empty inputs, all-suppressed sets,
 long suppression chains, 3000-box clustered sets, thresholds that equal an IoU
-(float32 and float64) and non-finite scores."""
+(float32 and float64) and non-finite scores; by both of its methods (the blocked
+resolution, and the sequential pass of ``ops.greedy_scan``, whose Triton kernel runs
+here in Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ def reference(boxes: torch.Tensor, scores: torch.Tensor, thr: float, max_out: in
     return out
 
 
+METHODS = pytest.mark.parametrize("method", ["blocks", "scan"])
+
+
 def ours(boxes, scores, thr, max_out, valid=None, **kw) -> List[List[int]]:
     res = static_nms(boxes, scores, thr, max_out, valid=valid, **kw)
     assert res.keep.shape == (boxes.shape[0], max_out) and res.keep.dtype == torch.int64
@@ -50,7 +55,8 @@ def chain(num: int, step: float, width: float = 10.0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_sets_match_torchvision(seed):
+@METHODS
+def test_random_sets_match_torchvision(seed, method):
     gen = torch.Generator().manual_seed(seed)
     num = int(torch.randint(1, 400, (1,), generator=gen))
     boxes = random_boxes(gen, 3, num)
@@ -61,12 +67,13 @@ def test_random_sets_match_torchvision(seed):
     valid = torch.rand(3, num, generator=gen) > 0.2 if seed % 2 else None
     thr = [0.3, 0.5, 0.7][seed % 3]
     for max_out in (num, 17, num + 5):
-        assert ours(boxes, scores, thr, max_out, valid) == reference(boxes, scores, thr, max_out, valid)
+        assert ours(boxes, scores, thr, max_out, valid, method=method) == reference(boxes, scores, thr, max_out, valid)
 
 
 @pytest.mark.parametrize("threshold", [0.0, 1.0, 0.5])
 @pytest.mark.parametrize("seed", range(4))
-def test_degenerate_boxes_extreme_thresholds_and_signed_scores_match_torchvision(seed, threshold):
+@METHODS
+def test_degenerate_boxes_extreme_thresholds_and_signed_scores_match_torchvision(seed, threshold, method):
     """Variants the random sets above leave out: zero-width or zero-height boxes (IoU 0
     with everything, itself included), thresholds at the ends of [0, 1] (0: any overlap
     suppresses; 1: nothing does, not even an identical box), every score equal, and
@@ -81,39 +88,43 @@ def test_degenerate_boxes_extreme_thresholds_and_signed_scores_match_torchvision
     scores = [torch.full((2, num), 0.5), -torch.rand(2, num, generator=gen) * 1e6,
               torch.randint(0, 3, (2, num), generator=gen).float(), torch.rand(2, num, generator=gen)][seed]
     for max_out in (num, 1, num + 5):
-        assert ours(boxes, scores, threshold, max_out) == reference(boxes, scores, threshold, max_out)
+        assert ours(boxes, scores, threshold, max_out, method=method) == reference(boxes, scores, threshold, max_out)
 
 
-def test_identical_boxes_and_equal_scores_keep_the_first():
+@METHODS
+def test_identical_boxes_and_equal_scores_keep_the_first(method):
     boxes = torch.tensor([[[0, 0, 10, 10], [20, 20, 30, 30], [0, 0, 10, 10], [0, 0, 10, 10.0]]])
     scores = torch.full((1, 4), 0.5)
-    assert ours(boxes, scores, 0.5, 4) == reference(boxes, scores, 0.5, 4) == [[0, 1]]
+    assert ours(boxes, scores, 0.5, 4, method=method) == reference(boxes, scores, 0.5, 4) == [[0, 1]]
 
 
-def test_empty_inputs():
-    res = static_nms(torch.zeros(2, 0, 4), torch.zeros(2, 0), 0.5, 3)
+@METHODS
+def test_empty_inputs(method):
+    res = static_nms(torch.zeros(2, 0, 4), torch.zeros(2, 0), 0.5, 3, method=method)
     assert res.keep.shape == (2, 3) and not res.valid.any() and not res.unconverged.any()
     boxes = random_boxes(torch.Generator().manual_seed(0), 2, 5)
-    res = static_nms(boxes, torch.rand(2, 5), 0.5, 3, valid=torch.zeros(2, 5, dtype=torch.bool))
+    res = static_nms(boxes, torch.rand(2, 5), 0.5, 3, valid=torch.zeros(2, 5, dtype=torch.bool), method=method)
     assert not res.valid.any()
 
 
-def test_all_suppressed_but_one():
+@METHODS
+def test_all_suppressed_but_one(method):
     boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0]]).repeat(1, 50, 1) + torch.rand(1, 50, 1) * 0.01
     scores = torch.rand(1, 50)
-    assert ours(boxes, scores, 0.5, 10) == reference(boxes, scores, 0.5, 10)
-    assert len(ours(boxes, scores, 0.5, 10)[0]) == 1
+    assert ours(boxes, scores, 0.5, 10, method=method) == reference(boxes, scores, 0.5, 10)
+    assert len(ours(boxes, scores, 0.5, 10, method=method)[0]) == 1
 
 
 @pytest.mark.parametrize("num", [100, 3000])
-def test_long_chain_is_exact_with_the_default_bound(num):
+@METHODS
+def test_long_chain_is_exact_with_the_default_bound(num, method):
     # step 1.0 on width 10: IoU with the next box 9/11 > 0.7, with the one after 8/12 < 0.7:
     # greedy keeps every other box, a decision that travels along the whole chain.
     boxes = chain(num, 1.0)
     scores = torch.linspace(1.0, 0.0, num)[None]
     want = reference(boxes, scores, 0.7, num)
     assert want[0] == list(range(0, num, 2))
-    res = static_nms(boxes, scores, 0.7, num)
+    res = static_nms(boxes, scores, 0.7, num, method=method)
     assert [res.keep[0][res.valid[0]].tolist()] == want
     assert not res.unconverged.any()
 
@@ -121,13 +132,14 @@ def test_long_chain_is_exact_with_the_default_bound(num):
 def test_too_few_iterations_are_reported():
     boxes = chain(64, 1.0)
     scores = torch.linspace(1.0, 0.0, 64)[None]
-    res = static_nms(boxes, scores, 0.7, 64, max_iters=4, block_size=64)
+    res = static_nms(boxes, scores, 0.7, 64, max_iters=4, block_size=64, method="blocks")
     assert res.unconverged.all()
-    res = static_nms(boxes, scores, 0.7, 64, max_iters=64, block_size=64)
+    res = static_nms(boxes, scores, 0.7, 64, max_iters=64, block_size=64, method="blocks")
     assert not res.unconverged.any()
 
 
-def test_3000_clustered_boxes_match_torchvision():
+@METHODS
+def test_3000_clustered_boxes_match_torchvision(method):
     gen = torch.Generator().manual_seed(7)
     centres = torch.rand(2, 30, 1, 2, generator=gen) * 500
     jitter = torch.randn(2, 30, 100, 2, generator=gen) * 4
@@ -136,12 +148,14 @@ def test_3000_clustered_boxes_match_torchvision():
     boxes = torch.cat((xy, xy + wh.reshape(2, 3000, 2).clamp(min=2)), dim=-1)
     scores = torch.rand(2, 3000, generator=gen)
     for thr in (0.5, 0.7):
-        assert ours(boxes, scores, thr, 2000) == reference(boxes, scores, thr, 2000)
+        assert ours(boxes, scores, thr, 2000, method=method) == reference(boxes, scores, thr, 2000)
 
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="max_iters"):
         static_nms(torch.zeros(1, 2, 4), torch.zeros(1, 2), 0.5, 2, max_iters=0)
+    with pytest.raises(ValueError, match="method"):
+        static_nms(torch.zeros(1, 2, 4), torch.zeros(1, 2), 0.5, 2, method="fast")
 
 
 def integer_boxes(gen: torch.Generator, num: int, dtype: torch.dtype) -> torch.Tensor:
@@ -152,7 +166,8 @@ def integer_boxes(gen: torch.Generator, num: int, dtype: torch.dtype) -> torch.T
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_threshold_equal_to_an_iou_decides_as_torchvision(dtype):
+@METHODS
+def test_a_threshold_equal_to_an_iou_decides_as_torchvision(dtype, method):
     # torchvision's CPU kernel compares the IoU with the double threshold: a float32
     # IoU equal to float32(0.3) > 0.3 is suppressed although float32(0.3) > float32(0.3)
     # is not; a float64 IoU must not be rounded to float32 first.
@@ -163,25 +178,27 @@ def test_a_threshold_equal_to_an_iou_decides_as_torchvision(dtype):
         ious = box_iou(boxes, boxes).flatten()
         t = float(ious[int(torch.randint(0, ious.numel(), (1,), generator=gen))])
         for thr in (t, math.nextafter(t, 0.0), math.nextafter(t, 1.0), 0.3, 0.7):
-            assert ours(boxes[None], scores[None], thr, 40) == reference(boxes[None], scores[None], thr, 40), thr
+            assert ours(boxes[None], scores[None], thr, 40, method=method) == reference(boxes[None], scores[None], thr, 40), thr
     above = torch.tensor(0.3, dtype=torch.float32)  # float32(0.3) = 0.30000001...
     boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0 * float(above), 10.0]], dtype=dtype)
     scores = torch.tensor([[0.9, 0.8]], dtype=dtype)
-    assert ours(boxes[None], scores, 0.3, 2) == reference(boxes[None], scores, 0.3, 2)
+    assert ours(boxes[None], scores, 0.3, 2, method=method) == reference(boxes[None], scores, 0.3, 2)
 
 
-def test_float64_scores_are_ranked_without_rounding():
+@METHODS
+def test_float64_scores_are_ranked_without_rounding(method):
     boxes = torch.tensor([[[0.0, 0.0, 10.0, 10.0], [1.0, 0.0, 11.0, 10.0]]], dtype=torch.float64)
     scores = torch.tensor([[0.5, 0.5 + 1e-12]], dtype=torch.float64)  # equal in float32
-    assert ours(boxes, scores, 0.5, 2) == reference(boxes, scores, 0.5, 2) == [[1]]
+    assert ours(boxes, scores, 0.5, 2, method=method) == reference(boxes, scores, 0.5, 2) == [[1]]
 
 
-def test_non_finite_scores_rank_as_torchvision():
+@METHODS
+def test_non_finite_scores_rank_as_torchvision(method):
     boxes = integer_boxes(torch.Generator().manual_seed(5), 12, torch.float32)[None]
     for bad in (float("nan"), float("inf"), -float("inf")):
         scores = torch.rand(1, 12, generator=torch.Generator().manual_seed(6))
         scores[0, ::3] = bad
-        assert ours(boxes, scores, 0.4, 12) == reference(boxes, scores, 0.4, 12), bad
+        assert ours(boxes, scores, 0.4, 12, method=method) == reference(boxes, scores, 0.4, 12), bad
 
 
 @pytest.mark.parametrize("thr", [0.3, 0.5, 0.7, 1 / 3, 0.123456789])

@@ -111,7 +111,8 @@ class RPNConfig:
     positive_weight: float = -1.0
     box_coder_weights: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0])
     # Static step (train.static_step): Jacobi iterations per block of the proposal NMS
-    # (modeling/nms.py); >= 32 (the block size) is exact for every input.
+    # (modeling/nms.py); >= 32 (the block size) is exact for every input. On CUDA with
+    # Triton the NMS is one exact kernel (ops/greedy_scan.py) and this does not apply.
     nms_max_iters: int = field_(32, ge=1, le=100000)
 
 

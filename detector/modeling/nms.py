@@ -24,7 +24,12 @@ into blocks of ``block_size``, resolved in order:
    suppression chains are short (the usual case), and a block that has not reached
    the fixed point is reported in ``unconverged``.
 
-Cost, for N boxes per image: the IoU matrix (``N^2`` floats per image), then
+On CUDA (with Triton) the resolution is instead one kernel, ``ops.greedy_scan``: the
+sequential pass over the boxes in order, on the device (exact, ``unconverged`` is
+False). The blocked resolution below stays the method elsewhere, and either can be
+asked for (``method``).
+
+Cost of the blocked resolution, for N boxes per image: the IoU matrix (``N^2`` floats per image), then
 ``ceil(N / block_size) * (1 + max_iters)`` small sequential steps of
 ``O(block_size^2)`` (resolution) and ``O(N * block_size)`` (propagation) work per image.
 Greedy NMS is inherently sequential (its worst case, a chain of boxes each suppressing
@@ -40,6 +45,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ..ops.greedy_scan import greedy_scan, pack_suppression, scan_on_device
 from .matching import box_iou_batched
 
 # Defaults: exact for every input (max_iters >= block_size, see the module docstring).
@@ -111,17 +117,19 @@ def _resolve_block(sup: Tensor, alive: Tensor, max_iters: int) -> tuple[Tensor, 
 
 
 def _greedy_keep(boxes: Tensor, valid: Tensor, iou_threshold: float, block_size: int,
-                 max_iters: int) -> tuple[Tensor, Tensor]:
+                 max_iters: int, scan: bool) -> tuple[Tensor, Tensor]:
     """Greedy NMS's keep mask ``[B, N]`` bool for boxes already sorted by decreasing
     score (``valid`` ``[B, N]``: False boxes are neither kept nor suppress), and ``[B]``
-    bool "some block did not converge"."""
+    bool "some block did not converge" (``scan``: the one-kernel pass, always exact)."""
     num = boxes.shape[1]
     order = torch.arange(num, device=boxes.device)
     upper = order[:, None] < order[None, :]  # i before j
     threshold = _comparable_threshold(iou_threshold, boxes.dtype, boxes.device)
     sup = (pairwise_iou(boxes) > threshold) & upper & valid[:, :, None]  # [B, N, N]
-    kept_blocks = []
     unconverged = torch.zeros(boxes.shape[0], dtype=torch.bool, device=boxes.device)
+    if scan:
+        return greedy_scan(pack_suppression(sup), valid), unconverged
+    kept_blocks = []
     for start in range(0, num, block_size):
         stop = min(start + block_size, num)
         alive = valid[:, start:stop]
@@ -144,6 +152,7 @@ def static_nms(
     max_iters: int = DEFAULT_MAX_ITERS,
     valid: Optional[Tensor] = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    method: str = "auto",
 ) -> StaticNMSResult:
     """Greedy NMS of each image's boxes with fixed-size, padded output.
 
@@ -161,6 +170,10 @@ def static_nms(
         max_iters: Jacobi iterations per block (>= 1).
         valid: ``[B, N]`` bool, entries to consider (None: all).
         block_size: boxes per block (>= 1).
+        method: "scan" (``ops.greedy_scan``: one kernel on CUDA with Triton, a loop of
+            N steps elsewhere), "blocks" (the blocked Jacobi resolution; ``max_iters``
+            and ``block_size`` apply to it alone) or "auto" (scan where it is one
+            kernel, else blocks).
 
     Returns:
         ``StaticNMSResult`` (keep ``[B, max_out]`` int64, valid ``[B, max_out]`` bool,
@@ -169,6 +182,8 @@ def static_nms(
     if max_iters < 1 or block_size < 1 or max_out < 0:
         raise ValueError(f"static_nms needs max_iters >= 1, block_size >= 1 and max_out >= 0, "
                          f"got {max_iters}, {block_size}, {max_out}")
+    if method not in ("auto", "scan", "blocks"):
+        raise ValueError(f"static_nms: method must be auto, scan or blocks, got {method!r}")
     num_images, num = scores.shape
     device = scores.device
     if valid is None:
@@ -179,16 +194,22 @@ def static_nms(
     sorted_valid = valid.gather(1, order)
     work = boxes.to(torch.promote_types(boxes.dtype, torch.float32))
     sorted_boxes = work.gather(1, order[:, :, None].expand(-1, -1, 4))
-    keep_sorted, unconverged = _greedy_keep(sorted_boxes, sorted_valid, iou_threshold, block_size, max_iters)
-    # The kept boxes first, in sorted order: rank = position among the kept.
+    scan = method == "scan" or (method == "auto" and scan_on_device(boxes.device))
+    keep_sorted, unconverged = _greedy_keep(sorted_boxes, sorted_valid, iou_threshold, block_size, max_iters, scan)
+    return StaticNMSResult(*_kept_slots(order, keep_sorted, max_out), unconverged)
+
+
+def _kept_slots(order: Tensor, keep_sorted: Tensor, max_out: int) -> tuple[Tensor, Tensor]:
+    """The kept boxes' input indices in sorted order, padded to ``max_out`` slots:
+    ``(keep [B, max_out] int64, valid [B, max_out] bool)``, padding 0 / False."""
+    num_images, num = order.shape
     slots = min(max_out, num)
-    rank_key = torch.where(keep_sorted, num - torch.arange(num, device=device), 0)
+    rank_key = torch.where(keep_sorted, num - torch.arange(num, device=order.device), 0)  # rank among the kept
     top, pos = rank_key.topk(slots, dim=1) if slots > 0 else (rank_key[:, :0], rank_key[:, :0])
-    keep = order.gather(1, pos)
     ok = top > 0
-    keep = torch.where(ok, keep, 0)
+    keep = torch.where(ok, order.gather(1, pos), 0)
     if slots < max_out:
         pad = max_out - slots
         keep = torch.cat((keep, keep.new_zeros(num_images, pad)), dim=1)
         ok = torch.cat((ok, ok.new_zeros(num_images, pad)), dim=1)
-    return StaticNMSResult(keep, ok, unconverged)
+    return keep, ok
