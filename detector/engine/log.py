@@ -11,11 +11,12 @@ import logging
 import math
 import os
 import resource
+import statistics
 import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -102,6 +103,14 @@ def setup_logging(output_dir: Optional[str | os.PathLike] = None, rank: int = 0,
         for h in handlers:
             h._detector_handler = True  # type: ignore[attr-defined]
             log.addHandler(h)
+
+
+def eta_seconds(recent_iter_times: Sequence[float], remaining: int) -> float:
+    """Seconds left: the median seconds per iteration of the recent logging windows
+    times the ``remaining`` iterations (0 before any window). The median, not the mean:
+    one slow window (the first one's compilation and CUDA-graph capture, an evaluation,
+    a checkpoint) stops setting the estimate once three windows are in."""
+    return statistics.median(recent_iter_times) * remaining if recent_iter_times else 0.0
 
 
 def format_eta(seconds: float) -> str:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from detector.dist_faults import watch
-from detector.engine.log import DeviceCounter, EventWriters, format_console_line, format_eta, peak_memory_mb
+from detector.engine.log import (DeviceCounter, EventWriters, eta_seconds, format_console_line, format_eta,
+                                 peak_memory_mb)
 from detector.engine.train_loop import HookBase, LoopState
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ class MetricsWriter(HookBase):
         elapsed = now - self._window_start
         iter_time = elapsed / max(1, self._count)
         self._recent_iter_times = (self._recent_iter_times + [iter_time])[-5:]
-        eta = sum(self._recent_iter_times) / len(self._recent_iter_times) * (state.max_iter - state.iteration)
+        eta = eta_seconds(self._recent_iter_times, state.max_iter - state.iteration)
         lrs = _named_lrs(self.optimizer.param_groups, self.scheduler, state.iteration)
         record: Dict[str, Any] = {
             "iteration": state.iteration,
