@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from detector.config import Config, ConfigError
 from detector.engine.static_step import StaticForward
 from detector.modeling import build_model
+from detector.ops.greedy_scan import scan_on_device
 
 aten = torch.ops.aten
 # Operators that synchronise with the device or produce a data-dependent shape.
@@ -169,7 +170,8 @@ def static_check(cfg: Config, num_batches: int = 10, backend: str = "inductor") 
     result.update(host_syncs_per_step=counter.count / len(batches), sync_ops=sorted(set(counter.names)),
                   eager_step_s=statistics.median(eager_times[1:]),
                   static_eager_step_s=statistics.median(static_times[1:]), device=str(device),
-                  images_per_step=cfg.solver.images_per_gpu, num_batches=len(batches), backend=backend)
+                  images_per_step=cfg.solver.images_per_gpu, num_batches=len(batches), backend=backend,
+                  nms_method="scan" if scan_on_device(device) else "blocks")
     return result
 
 

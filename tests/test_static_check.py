@@ -53,6 +53,7 @@ def test_static_check_task_one_graph_without_syncs(tmp_path):
     assert out["host_syncs_per_step"] == 0, out["sync_ops"]
     assert out["max_loss_rel_diff"] < 1e-5
     assert out["num_batches"] == 10
+    assert out["nms_method"] == "blocks"  # on the CPU; CUDA with Triton runs ops.greedy_scan
 
 
 def test_static_check_task_refuses_an_eager_config(capsys):
