@@ -254,7 +254,7 @@ def figures(result: Dict) -> str:
     loader = res.get("runs", {}).get("loader")
     if loader is not None:
         return f"loader {loader['images_per_s']:.1f} img/s ({loader['num_workers']} workers)"
-    keys = ("graph_breaks", "recompiles", "host_syncs_per_step", "max_loss_rel_diff")
+    keys = ("graph_breaks", "recompiles", "host_syncs_per_step", "max_loss_rel_diff", "nms_method")
     found = [f"{k}={res[k]:.3g}" if isinstance(res[k], float) else f"{k}={res[k]}" for k in keys if k in res]
     if result.get("AP") is not None:
         found.append(f"AP={result['AP']:.4f}")

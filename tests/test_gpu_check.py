@@ -112,3 +112,11 @@ def test_a_missing_package_is_one_line_naming_it():
     assert out.returncode == 1
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 1 and "'msgspec' is missing" in lines[0], lines
+
+
+def test_the_table_shows_a_static_checks_figures_and_its_nms():
+    res = {"graph_breaks": 0, "recompiles": 0, "host_syncs_per_step": 0.0, "max_loss_rel_diff": 4.5e-05,
+           "nms_method": "scan", "compile_s": 12.0}
+    assert gpu_check.figures({"result": res}) == (
+        "graph_breaks=0, recompiles=0, host_syncs_per_step=0, max_loss_rel_diff=4.5e-05, nms_method=scan")
+    assert gpu_check.figures({"result": {}, "AP": 0.71781}) == "AP=0.7178"
