@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from detector.config import Config, ConfigError
 from detector.engine.static_step import StaticForward
 from detector.modeling import build_model
-from detector.ops.greedy_scan import scan_on_device
+from detector.modeling.nms import resolve_method
 
 aten = torch.ops.aten
 # Operators that synchronise with the device or produce a data-dependent shape.
@@ -171,7 +171,7 @@ def static_check(cfg: Config, num_batches: int = 10, backend: str = "inductor") 
                   eager_step_s=statistics.median(eager_times[1:]),
                   static_eager_step_s=statistics.median(static_times[1:]), device=str(device),
                   images_per_step=cfg.solver.images_per_gpu, num_batches=len(batches), backend=backend,
-                  nms_method="scan" if scan_on_device(device) else "blocks")
+                  nms_method=resolve_method("auto", device))  # what the static step's proposals use
     return result
 
 

@@ -144,6 +144,17 @@ def _greedy_keep(boxes: Tensor, valid: Tensor, iou_threshold: float, block_size:
     return torch.cat(kept_blocks, dim=1), unconverged
 
 
+def resolve_method(method: str, device: torch.device) -> str:
+    """``static_nms``'s ``method`` for boxes on ``device``: "auto" becomes "scan" where
+    ``ops.greedy_scan`` is one kernel (CUDA with Triton), else "blocks". Raises
+    ``ValueError`` for a method other than auto, scan or blocks."""
+    if method not in ("auto", "scan", "blocks"):
+        raise ValueError(f"static_nms: method must be auto, scan or blocks, got {method!r}")
+    if method == "auto":
+        return "scan" if scan_on_device(device) else "blocks"
+    return method
+
+
 def static_nms(
     boxes: Tensor,
     scores: Tensor,
@@ -182,8 +193,6 @@ def static_nms(
     if max_iters < 1 or block_size < 1 or max_out < 0:
         raise ValueError(f"static_nms needs max_iters >= 1, block_size >= 1 and max_out >= 0, "
                          f"got {max_iters}, {block_size}, {max_out}")
-    if method not in ("auto", "scan", "blocks"):
-        raise ValueError(f"static_nms: method must be auto, scan or blocks, got {method!r}")
     num_images, num = scores.shape
     device = scores.device
     if valid is None:
@@ -194,7 +203,7 @@ def static_nms(
     sorted_valid = valid.gather(1, order)
     work = boxes.to(torch.promote_types(boxes.dtype, torch.float32))
     sorted_boxes = work.gather(1, order[:, :, None].expand(-1, -1, 4))
-    scan = method == "scan" or (method == "auto" and scan_on_device(boxes.device))
+    scan = resolve_method(method, boxes.device) == "scan"
     keep_sorted, unconverged = _greedy_keep(sorted_boxes, sorted_valid, iou_threshold, block_size, max_iters, scan)
     return StaticNMSResult(*_kept_slots(order, keep_sorted, max_out), unconverged)
 
