@@ -3,6 +3,7 @@
     python tools/gpu_check.py                  # the runs in order, within --budget-s
     python tools/gpu_check.py --list           # the plan, its configs checked; no GPU needed
     python tools/gpu_check.py --only demo,demo-graphs
+    python tools/gpu_check.py --rest           # what the last report skipped or cut, merged into it
 
 Without CUDA (and without ``--list``) it prints one line and returns 2. With CUDA it runs
 ``plan()`` in order, each under its own time limit and all under ``--budget-s`` (a run
@@ -18,13 +19,16 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
 - then one at a time, most wanted first: R50-FPN 1x training against torchvision
   (``--task train --compare-torchvision``, synthetic batches of 800x1066 images, the
   recipe's canvases ``[[800, 1344], [1344, 800]]`` for the static steps): the eager step
-  (AMP bfloat16), the CUDA-graph step at 2 and 8 images, inference with ``eval.amp``, the
-  static step, eager float16, then the recipe's training loader alone (``--task data``:
-  decode, multi-scale resize, flip, collate; its 4 workers) on generated JPEGs of COCO's
-  sizes, to set its images/s beside the step's, and the compiled backbone.
+  (AMP bfloat16), the CUDA-graph step at 2 and 8 images, the proposal NMS alone
+  (``--task nms``: torchvision's per-image ``batched_nms`` against ``static_nms``'s kernel
+  and its blocked resolution), inference with ``eval.amp``, the static step, eager
+  float16, then the recipe's training loader alone (``--task data``: decode, multi-scale
+  resize, flip, collate; its 4 workers) on generated JPEGs of COCO's sizes, to set its
+  images/s beside the step's, and the compiled backbone.
 
 It writes ``gpu-report.json`` (every result, the benchmarks' JSON included) and prints
-a short text table. It downloads nothing (random weights; generated data).
+a short text table. A call with ``--only`` or ``--rest`` merges its results into the
+report already there (same device), so one check can span several 10-minute calls. It downloads nothing (random weights; generated data).
 """
 
 from __future__ import annotations
@@ -131,6 +135,15 @@ def _loader(name: str, limit_s: int) -> Run:
     return Run(name, "benchmark", args, limit_s, R50, overrides, json_file)
 
 
+def _nms(name: str, limit_s: int) -> Run:
+    """``tools/benchmark.py --task nms`` at R50-FPN 1x's sizes (2 images, the recipe's
+    canvases): one step's proposal NMS, torchvision's way against both static methods."""
+    overrides = ("train.device=cuda", CANVAS_R50, "solver.images_per_gpu=2")
+    json_file = f"{OUT}/{name}.json"
+    args = ("--config", R50, "--task", "nms", "--iters", "20", "--warmup", "3", "--json", json_file, *overrides)
+    return Run(name, "benchmark", args, limit_s, R50, overrides, json_file)
+
+
 def plan() -> List[Run]:
     """Every run: the checks of results side by side first, then the timed runs one at a
     time, the most wanted first (the budget may cut the tail)."""
@@ -150,6 +163,7 @@ def plan() -> List[Run]:
         _bench("train-r50-eager-bf16-2img", "train", 60, *BF16, two, iters=10, warmup=3),
         graphs_two,
         graphs_eight,
+        _nms("nms-r50", 60),
         _bench("infer-r50-eval-amp", "infer", 60, "eval.amp=true", iters=10, warmup=3),
         _bench("train-r50-static-bf16-2img", "train", 120, *STATIC, CANVAS_R50, *BF16, two),
         _bench("train-r50-eager-fp16-2img", "train", 60, *FP16, two, iters=10, warmup=3),
@@ -254,6 +268,9 @@ def figures(result: Dict) -> str:
     loader = res.get("runs", {}).get("loader")
     if loader is not None:
         return f"loader {loader['images_per_s']:.1f} img/s ({loader['num_workers']} workers)"
+    if res.get("task") == "nms":
+        times = ", ".join(f"{k} {v['median_s'] * 1e3:.2f} ms" for k, v in res["runs"].items())
+        return f"{times}; matches torchvision: {res['matches_torchvision']}"
     keys = ("graph_breaks", "recompiles", "host_syncs_per_step", "max_loss_rel_diff", "nms_method")
     found = [f"{k}={res[k]:.3g}" if isinstance(res[k], float) else f"{k}={res[k]}" for k in keys if k in res]
     if result.get("AP") is not None:
@@ -281,12 +298,43 @@ def select(runs: Sequence[Run], only: Optional[str]) -> List[Run]:
     return [r for r in runs if r.name in wanted]
 
 
+def unfinished(report: Dict) -> List[str]:
+    """The runs that ``report`` recorded as skipped (rc None) or stopped at a limit (124)."""
+    return [r["name"] for r in report.get("runs", []) if r["rc"] in (None, 124)]
+
+
+def merge(report: Optional[Dict], fresh: Dict, names: Sequence[str]) -> Dict:
+    """``fresh`` (this call's report) with the runs of an earlier ``report`` of the same
+    device that this call did not run, in ``names``' order (the plan's), then any others."""
+    if report is None or report.get("device") != fresh["device"]:
+        return fresh
+    by_name = {r["name"]: r for r in report.get("runs", [])}
+    by_name.update({r["name"]: r for r in fresh["runs"]})
+    order = [n for n in names if n in by_name] + [n for n in by_name if n not in names]
+    return {**fresh, "runs": [by_name[n] for n in order]}
+
+
+def _read_report(path: Path) -> Optional[Dict]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GPU checks end to end -> gpu-report.json (see benchmarks/gpu_check.py)")
     p.add_argument("--list", action="store_true", help="print the runs (their configs checked) and exit")
-    p.add_argument("--only", help="comma-separated run names (see --list)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--only", help="comma-separated run names (see --list); merged into the report")
+    which.add_argument("--rest", action="store_true",
+                       help="the runs that gpu-report.json records as skipped or cut at their limit; merged into it")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"seconds for all runs (default {BUDGET_S})")
     return p.parse_args(list(argv))
+
+
+def _print_plan(runs: Sequence[Run], budget_s: float) -> None:
+    for run in runs:
+        print(f"{run.name:40s} {run.limit_s:>4d} s  python {' '.join(run.argv()[1:])}")
+    side = max([r.limit_s for r in runs if r.parallel], default=0)
+    print(f"budget {budget_s:.0f} s: side by side at most {side} s, then one at a time at most "
+          f"{sum(r.limit_s for r in runs if not r.parallel)} s (what does not fit is skipped, see --only)")
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -296,22 +344,30 @@ def main(argv: Sequence[str] = ()) -> int:
     if not args.list and not torch.cuda.is_available():
         print("make gpu-check needs a CUDA GPU: torch.cuda.is_available() is False here; nothing was run")
         return 2
+    path = ROOT / "gpu-report.json"
+    earlier = _read_report(path) if args.only or args.rest else None
+    only = args.only
+    if args.rest:
+        if earlier is None:
+            print(f"gpu-check: --rest: no {path.name} here; run python tools/gpu_check.py first", file=sys.stderr)
+            return 1
+        only = ",".join(unfinished(earlier))
+        if not only:
+            print(f"gpu-check: --rest: {path.name} has no skipped or cut run; nothing to do")
+            return 0
     try:
-        runs = select(plan(), args.only)
+        runs = select(plan(), only)
         check_plan(runs)
     except ValueError as exc:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 1
     if args.list:
-        for run in runs:
-            print(f"{run.name:40s} {run.limit_s:>4d} s  python {' '.join(run.argv()[1:])}")
-        side = max([r.limit_s for r in runs if r.parallel], default=0)
-        print(f"budget {args.budget_s:.0f} s: side by side at most {side} s, then one at a time at most "
-              f"{sum(r.limit_s for r in runs if not r.parallel)} s (what does not fit is skipped, see --only)")
+        _print_plan(runs, args.budget_s)
         return 0
     (ROOT / OUT).mkdir(exist_ok=True)
     results = run_all(runs, args.budget_s)
-    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": results}
-    (ROOT / "gpu-report.json").write_text(json.dumps(report, indent=2, default=str))
-    print(table(results))
+    fresh = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": results}
+    report = merge(earlier, fresh, [r.name for r in plan()])
+    path.write_text(json.dumps(report, indent=2, default=str))
+    print(table(report["runs"]))
     return 0 if all(r["rc"] in (0, None) for r in results) else 1

@@ -5,6 +5,7 @@ command line parses with its tool's own parser; the budget logic."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
-from benchmarks.gpu_check import Run, plan, run_all, select
+from benchmarks.gpu_check import CANVAS_R50 as CANVAS, Run, plan, run_all, select
 
 from conftest import ROOT, load_tool
 
@@ -56,6 +57,8 @@ def test_the_plan_runs_what_the_issue_lists():
     assert loader.config == "configs/faster_rcnn_r50_fpn_1x_coco.yaml" and "data" in loader.args
     assert not any(o.startswith(("input.", "data.num_workers")) for o in loader.overrides)
     assert {"data.shapes.min_side=480", "data.shapes.max_side=640"} <= set(loader.overrides)
+    nms = runs["nms-r50"]  # the proposal NMS alone, at the recipe's sizes
+    assert "nms" in nms.args and "solver.images_per_gpu=2" in nms.overrides and CANVAS in nms.overrides
 
 
 def test_every_command_parses_and_every_config_loads():
@@ -120,3 +123,56 @@ def test_the_table_shows_a_static_checks_figures_and_its_nms():
     assert gpu_check.figures({"result": res}) == (
         "graph_breaks=0, recompiles=0, host_syncs_per_step=0, max_loss_rel_diff=4.5e-05, nms_method=scan")
     assert gpu_check.figures({"result": {}, "AP": 0.71781}) == "AP=0.7178"
+
+
+def _fake_cuda_call(monkeypatch, tmp_path, device: str = "GPU A"):
+    """main() as on a CUDA machine, in ``tmp_path``, with each run "done" (rc 0) at once;
+    returns the list of run names each call ran."""
+    calls = []
+
+    def fake_run_all(runs, budget_s):
+        calls.append([r.name for r in runs])
+        return [{"name": r.name, "rc": 0, "seconds": 1.0} for r in runs]
+
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check.torch.cuda, "get_device_name", lambda index=0: device)
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_check, "check_plan", lambda runs: None)
+    monkeypatch.setattr(gpu_check, "run_all", fake_run_all)
+    return calls
+
+
+def test_rest_runs_what_the_report_skipped_or_cut_and_merges_into_it(monkeypatch, tmp_path, capsys):
+    calls = _fake_cuda_call(monkeypatch, tmp_path)
+    names = [r.name for r in plan()]
+    assert gpu_check.main(["--rest"]) == 1 and "no gpu-report.json" in capsys.readouterr().err
+    earlier = [{"name": n, "rc": 0, "seconds": 5.0} for n in names]
+    earlier[3] = {"name": names[3], "rc": 124, "seconds": 300.0}
+    earlier[-1] = {"name": names[-1], "rc": None, "seconds": 0.0, "skipped": "budget"}
+    earlier.append({"name": "retired-run", "rc": 1, "seconds": 2.0})  # no longer in the plan: kept, last
+    report = tmp_path / "gpu-report.json"
+    report.write_text(json.dumps({"device": "GPU A", "torch": "x", "runs": earlier}))
+    assert gpu_check.main(["--rest"]) == 0
+    assert calls == [[names[3], names[-1]]]
+    merged = json.loads(report.read_text())["runs"]
+    assert [r["name"] for r in merged] == names + ["retired-run"]
+    assert [r["seconds"] for r in merged[:5]] == [5.0, 5.0, 5.0, 1.0, 5.0] and merged[-2]["rc"] == 0
+    assert gpu_check.main(["--rest"]) == 0 and "nothing to do" in capsys.readouterr().out and len(calls) == 1
+
+
+def test_only_merges_into_a_report_of_the_same_device_and_a_full_run_replaces_it(monkeypatch, tmp_path):
+    report = tmp_path / "gpu-report.json"
+    report.write_text(json.dumps({"device": "GPU B", "runs": [{"name": "demo", "rc": 1, "seconds": 9.0}]}))
+    _fake_cuda_call(monkeypatch, tmp_path)  # another device: its figures are not mixed in
+    assert gpu_check.main(["--only", "nms-r50"]) == 0
+    assert [r["name"] for r in json.loads(report.read_text())["runs"]] == ["nms-r50"]
+    assert gpu_check.main(["--only", "demo"]) == 0
+    assert [r["name"] for r in json.loads(report.read_text())["runs"]] == ["demo", "nms-r50"]
+    assert gpu_check.main([]) == 0
+    assert [r["name"] for r in json.loads(report.read_text())["runs"]] == [r.name for r in plan()]
+
+
+def test_the_table_shows_the_nms_timings_and_their_check():
+    res = {"task": "nms", "runs": {"torchvision": {"median_s": 0.0031}, "scan": {"median_s": 0.0004}},
+           "matches_torchvision": {"scan": True}}
+    assert gpu_check.figures({"result": res}) == "torchvision 3.10 ms, scan 0.40 ms; matches torchvision: {'scan': True}"

@@ -88,6 +88,24 @@ def test_the_triton_kernel_keeps_what_the_reference_pass_keeps_in_the_interprete
     assert "cases 10 chain kept 50" in out.stdout
 
 
+@pytest.mark.slow  # Triton's compiler API is the pinned torch's Triton's (3.6-3.8 checked)
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@pytest.mark.parametrize("capability", [80, 90])
+def test_the_kernel_compiles_to_gpu_code_without_a_gpu(capability):
+    """Triton's real pipeline (not its interpreter) lowers the kernel to a cubin for an
+    A100 (8.0) and an H100 (9.0), at R50-FPN 1x's sizes (2000 boxes, 63 words)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from detector.ops import greedy_scan as scan
+    signature = {"words_ptr": "*i64", "valid_ptr": "*i8", "keep_ptr": "*i8", "num_words": "i32",
+                 "NUM": "constexpr", "BLOCK_W": "constexpr"}
+    src = ASTSource(fn=scan._greedy_scan_kernel, signature=signature, constexprs={"NUM": 2000, "BLOCK_W": 64})
+    kernel = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 1})
+    assert len(kernel.asm["cubin"]) > 1000 and ".target sm_%d" % capability in kernel.asm["ptx"]
+
+
 def _graph_nodes(fn, *args) -> int:
     """Operators in the one graph ``torch.compile(fullgraph=True)`` makes of ``fn``."""
     counts = []

@@ -71,22 +71,37 @@ if triton is not None:
     def _greedy_scan_kernel(words_ptr, valid_ptr, keep_ptr, num_words, NUM: tl.constexpr, BLOCK_W: tl.constexpr):
         """One row: ``removed`` (its bit words) in registers; box ``i`` is kept when valid
         and not removed, and then ORs its suppression words into ``removed``. ``NUM``
-        (boxes per row) is fixed by the config: one compilation per model."""
+        (boxes per row) is fixed by the config: one compilation per model.
+
+        The chain from box to box is short scalar work: ``cur`` is the word of
+        ``removed`` that holds box ``i``'s bit (read from the vector once per 32 boxes,
+        then updated with ``diag``, the kept box's own word of that index). Box ``i + 1``'s
+        words are loaded while box ``i`` is decided (the loads do not depend on it), so the
+        memory latency is hidden instead of paid once per box."""
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_W)
         in_row = offs < num_words
+        base = words_ptr + row * NUM * num_words
         removed = tl.zeros([BLOCK_W], dtype=tl.int64)
+        cur = tl.sum(removed, axis=0)
+        next_words = tl.load(base + offs, mask=in_row, other=0)
+        next_diag = tl.load(base)
+        next_valid = tl.load(valid_ptr + row * NUM)
         for i in range(0, NUM):
-            word_bits = tl.sum(tl.where(offs == i // 32, removed, 0), axis=0)
-            is_removed = (word_bits >> (i % 32)) & 1
-            kept = (tl.load(valid_ptr + row * NUM + i) != 0) & (is_removed == 0)
+            row_words, diag, valid = next_words, next_diag, next_valid
+            nxt = i + 1 - (i + 1) // NUM  # i + 1, or the last box again (a harmless load)
+            next_words = tl.load(base + nxt * num_words + offs, mask=in_row, other=0)
+            next_diag = tl.load(base + nxt * num_words + nxt // 32)
+            next_valid = tl.load(valid_ptr + row * NUM + nxt)
+            if i % 32 == 0:
+                cur = tl.sum(tl.where(offs == i // 32, removed, 0), axis=0)
+            kept = (valid != 0) & (((cur >> (i % 32)) & 1) == 0)
             tl.store(keep_ptr + row * NUM + i, kept.to(tl.int8))
-            # The scalar on every lane, as a vector mask (Triton 3.8 and 3.9 interpreters
-            # refuse a scalar or broadcast boolean in a mask).
+            cur = cur | tl.where(kept, diag, 0)
+            # The scalar on every lane (Triton 3.8 and 3.9 interpreters refuse a scalar
+            # or broadcast boolean as a vector condition).
             kept_lanes = tl.zeros([BLOCK_W], dtype=tl.int8) + kept.to(tl.int8)
-            row_words = tl.load(words_ptr + (row * NUM + i) * num_words + offs, mask=in_row & (kept_lanes != 0),
-                                other=0)
-            removed = removed | row_words
+            removed = removed | tl.where(kept_lanes != 0, row_words, 0)
 
 
 def greedy_scan_triton(words: Tensor, valid: Tensor) -> Tensor:
