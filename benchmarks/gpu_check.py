@@ -240,11 +240,12 @@ def _skipped(run: Run) -> Dict:
 
 def run_all(runs: Sequence[Run], budget_s: float, out_dir: Path = ROOT / OUT) -> List[Dict]:
     """The ``parallel`` runs side by side, then the others one at a time, in order. A run
-    gets its ``limit_s`` or what is left of ``budget_s``; one that no longer fits is
-    skipped (rc None) with the command that runs it later. Results in ``runs``' order."""
+    gets its ``limit_s`` or what is left of ``budget_s``; one for which less than
+    ``min(limit_s, 30)`` seconds are left is skipped (rc None) with the command that runs
+    it later. Results in ``runs``' order."""
     start, results = time.perf_counter(), {}
-    side = [r for r in runs if r.parallel and r.limit_s <= budget_s]
-    for result in _wait([(r, *_launch(r, out_dir)) for r in side], [r.limit_s for r in side]):
+    side = [r for r in runs if r.parallel and budget_s >= min(r.limit_s, 30)]
+    for result in _wait([(r, *_launch(r, out_dir)) for r in side], [min(r.limit_s, budget_s) for r in side]):
         results[result["name"]] = result
     for run in runs:
         left = budget_s - (time.perf_counter() - start)

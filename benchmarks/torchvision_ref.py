@@ -6,6 +6,7 @@ trains it as torchvision's ``references/detection`` does (its optimizer, warm-up
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -24,6 +25,8 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
 from detector.config import Config
 from detector.engine.amp import AmpSettings
+
+logger = logging.getLogger(__name__)
 
 
 def _tv_norm_layer(cfg: Config) -> Callable[[int], nn.Module]:
@@ -215,9 +218,13 @@ def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: L
     ``images`` and ``targets`` are as the model takes them. Returns the loss value."""
     autocast = torch.autocast(device.type, dtype=amp.dtype) if amp.enabled else contextlib.nullcontext()
     with autocast:
-        losses = sum(model(images, targets).values())
+        loss_dict = model(images, targets)
+        losses = sum(loss_dict.values())
     loss_value = float(losses.detach())
     if not math.isfinite(loss_value):
+        bad = {k: float(v) for k, v in loss_dict.items() if not math.isfinite(float(v))}
+        logger.warning("torchvision's losses are not finite: %s (autocast %s)", bad,
+                       amp.dtype if amp.enabled else "off")
         return loss_value
     optimizer.zero_grad()
     if scaler is not None:

@@ -93,6 +93,11 @@ def test_captured_step_equals_the_eager_body_on_cuda():
             losses.append(step(batch)[0].clone())
         runs.append((torch.stack(losses), snapshot(model, opt)))
     (loss_e, state_e), (loss_c, state_c) = runs
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-4, atol=1e-6)
+    # Step 1 runs the same kernels on the same inputs: within 1e-4. By step 3
+    # the CUDA backward's atomic adds (RoIAlign, index_add) have made the weights differ
+    # in the last bits (the first H200 run: 1.1e-4 relative); a replay of stale inputs or
+    # of another random state differs by whole samples (percents).
+    torch.testing.assert_close(loss_c[0], loss_e[0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-3, atol=1e-6)
     for a, b in zip(state_c, state_e):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from benchmarks.static_check import SyncCounter, synthetic_batches
+from benchmarks.static_check import SyncCounter, full_float32, synthetic_batches
 from detector.config import load_config
 from detector.engine.static_step import StaticForward
 from detector.engine.step import TrainStep
@@ -52,8 +53,22 @@ def test_static_check_task_one_graph_without_syncs(tmp_path):
     assert out["recompiles"] == 0
     assert out["host_syncs_per_step"] == 0, out["sync_ops"]
     assert out["max_loss_rel_diff"] < 1e-5
+    assert out["max_loss_rel_diff"] == max(out["loss_rel_diff"].values())
+    assert set(out["loss_rel_diff"]) == {"loss_rpn_cls", "loss_rpn_box", "loss_roi_cls", "loss_roi_box"}
     assert out["num_batches"] == 10
     assert out["nms_method"] == "blocks"  # on the CPU; CUDA with Triton runs ops.greedy_scan
+
+
+def test_the_check_runs_without_tf32_and_restores_it():
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with pytest.raises(RuntimeError), full_float32():
+            assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+            raise RuntimeError("restored even so")
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def test_static_check_task_refuses_an_eager_config(capsys):

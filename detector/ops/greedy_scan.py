@@ -68,40 +68,45 @@ def greedy_scan_reference(words: Tensor, valid: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _greedy_scan_kernel(words_ptr, valid_ptr, keep_ptr, num_words, NUM: tl.constexpr, BLOCK_W: tl.constexpr):
-        """One row: ``removed`` (its bit words) in registers; box ``i`` is kept when valid
-        and not removed, and then ORs its suppression words into ``removed``. ``NUM``
-        (boxes per row) is fixed by the config: one compilation per model.
+    def _or(a, b):
+        return a | b
 
-        The chain from box to box is short scalar work: ``cur`` is the word of
-        ``removed`` that holds box ``i``'s bit (read from the vector once per 32 boxes,
-        then updated with ``diag``, the kept box's own word of that index). Box ``i + 1``'s
-        words are loaded while box ``i`` is decided (the loads do not depend on it), so the
-        memory latency is hidden instead of paid once per box."""
+    @triton.jit
+    def _greedy_scan_kernel(words_ptr, valid_ptr, keep_ptr, num_words, NUM: tl.constexpr, BLOCK_W: tl.constexpr):
+        """One row, 32 boxes (one word, a "tile") at a time. ``removed`` (the row's bit
+        words) stays in registers. A tile's loads (its validity, its boxes' words and,
+        for each box, its word of the tile's own index, ``diag``) do not depend on the
+        decisions, so one memory latency serves 32 boxes. Inside the tile the boxes are
+        decided in order on one scalar word, ``cur`` (which of the tile's boxes are
+        removed so far); then the kept boxes' words are ORed into ``removed``. ``NUM``
+        (boxes per row) is fixed by the config: one compilation per model."""
         row = tl.program_id(0)
+        lanes = tl.arange(0, 32)
         offs = tl.arange(0, BLOCK_W)
         in_row = offs < num_words
         base = words_ptr + row * NUM * num_words
         removed = tl.zeros([BLOCK_W], dtype=tl.int64)
-        cur = tl.sum(removed, axis=0)
-        next_words = tl.load(base + offs, mask=in_row, other=0)
-        next_diag = tl.load(base)
-        next_valid = tl.load(valid_ptr + row * NUM)
-        for i in range(0, NUM):
-            row_words, diag, valid = next_words, next_diag, next_valid
-            nxt = i + 1 - (i + 1) // NUM  # i + 1, or the last box again (a harmless load)
-            next_words = tl.load(base + nxt * num_words + offs, mask=in_row, other=0)
-            next_diag = tl.load(base + nxt * num_words + nxt // 32)
-            next_valid = tl.load(valid_ptr + row * NUM + nxt)
-            if i % 32 == 0:
-                cur = tl.sum(tl.where(offs == i // 32, removed, 0), axis=0)
-            kept = (valid != 0) & (((cur >> (i % 32)) & 1) == 0)
-            tl.store(keep_ptr + row * NUM + i, kept.to(tl.int8))
-            cur = cur | tl.where(kept, diag, 0)
-            # The scalar on every lane (Triton 3.8 and 3.9 interpreters refuse a scalar
-            # or broadcast boolean as a vector condition).
-            kept_lanes = tl.zeros([BLOCK_W], dtype=tl.int8) + kept.to(tl.int8)
-            removed = removed | tl.where(kept_lanes != 0, row_words, 0)
+        for t in range(0, (NUM + 31) // 32):
+            box = t * 32 + lanes
+            in_tile = box < NUM
+            valid = tl.load(valid_ptr + row * NUM + box, mask=in_tile, other=0).to(tl.int64)
+            # A box's word of index t (bits 0-31), with its validity in bit 32.
+            diag = tl.load(base + box * num_words + t, mask=in_tile, other=0) | (valid << 32)
+            tile = tl.load(base + box[:, None] * num_words + offs[None, :],
+                           mask=in_tile[:, None] & in_row[None, :], other=0)
+            cur = tl.sum(tl.where(offs == t, removed, 0), axis=0)
+            kept_bits = cur * 0
+            for j in tl.static_range(32):
+                d = tl.sum(tl.where(lanes == j, diag, 0), axis=0)
+                kept = (((d >> 32) & 1) != 0) & (((cur >> j) & 1) == 0)
+                cur = cur | tl.where(kept, d & 0xFFFFFFFF, 0)
+                kept_bits = kept_bits | (kept.to(tl.int64) << j)
+            kept_lanes = (kept_bits >> lanes) & 1
+            tl.store(keep_ptr + row * NUM + box, kept_lanes.to(tl.int8), mask=in_tile)
+            # Every element's own condition (Triton 3.8 and 3.9 interpreters refuse a
+            # broadcast boolean as a condition).
+            kept_tile = (kept_lanes[:, None] + tl.zeros([32, BLOCK_W], dtype=tl.int64)) != 0
+            removed = removed | tl.reduce(tl.where(kept_tile, tile, 0), 0, _or)
 
 
 def greedy_scan_triton(words: Tensor, valid: Tensor) -> Tensor:
