@@ -4,7 +4,9 @@ ways side by side on the config's device, with its config's sizes.
 - ``torchvision``: what torchvision's RPN does, per image ``batched_nms`` over the levels
   (one host sync per image, data-dependent output length);
 - ``scan`` and ``blocks``: ``static_nms`` with each method on the static step's padded
-  ``[images x levels, pre_nms_topk_train]`` rows (fixed shapes, no host sync).
+  ``[images x levels, pre_nms_topk_train]`` rows (fixed shapes, no host sync);
+- ``scan_kernel``: ``ops.greedy_scan`` alone, on the rows' suppression words packed
+  beforehand (what ``scan`` spends outside it: sorting, IoUs, packing, the slots).
 
 The boxes are clustered (a few centres per row, many near-duplicates: long suppression
 chains, as in an RPN's top-k), inside the largest of ``model.canvas_sizes``. Each static
@@ -21,7 +23,8 @@ from torch import Tensor
 
 from detector.config import Config
 from detector.distributed import resolve_device
-from detector.modeling.nms import resolve_method, static_nms
+from detector.modeling.nms import pairwise_iou, resolve_method, static_nms
+from detector.ops.greedy_scan import greedy_scan, pack_suppression
 
 from .timing import Runner, machine_info, run_interleaved
 
@@ -41,6 +44,15 @@ def clustered_rows(rows: int, num: int, height: int, width: int, size: float, se
     boxes = torch.cat((xy - wh / 2, xy + wh / 2), dim=2)
     boxes = torch.minimum(boxes.clamp(min=0), torch.tensor([width, height, width, height], dtype=boxes.dtype))
     return boxes, torch.rand(rows, num, generator=g)
+
+
+def packed_rows(boxes: Tensor, scores: Tensor, threshold: float) -> Tensor:
+    """The suppression words ``[R, N, W]`` of each row's boxes in decreasing score order
+    (``pack_suppression`` of "i before j and IoU > threshold")."""
+    order = scores.argsort(dim=1, descending=True, stable=True)
+    ranked = boxes.gather(1, order[:, :, None].expand(-1, -1, 4))
+    index = torch.arange(boxes.shape[1], device=boxes.device)
+    return pack_suppression((pairwise_iou(ranked) > threshold) & (index[:, None] < index[None, :]))
 
 
 def _matches(keep: Tensor, valid: Tensor, boxes: Tensor, scores: Tensor, threshold: float) -> bool:
@@ -80,8 +92,14 @@ def benchmark_nms(cfg: Config, iters: int, warmup: int) -> Dict[str, Any]:
             return images
         return fn
 
+    words, all_valid = packed_rows(boxes, scores, threshold), torch.ones_like(scores, dtype=torch.bool)
+
+    def scan_kernel(_: int) -> int:
+        greedy_scan(words, all_valid)
+        return images
+
     runners = [Runner("torchvision", torchvision_way, device), Runner("scan", static_way("scan"), device),
-               Runner("blocks", static_way("blocks"), device)]
+               Runner("scan_kernel", scan_kernel, device), Runner("blocks", static_way("blocks"), device)]
     run_interleaved(runners, iters, warmup)
     matches = {m: _matches(r["keep"], r["valid"], boxes, scores, threshold) for m, r in results.items()}
     return {

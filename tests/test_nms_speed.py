@@ -49,7 +49,7 @@ def test_nms_task_times_three_ways_and_both_static_methods_match(tmp_path):
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     res = json.loads(out.read_text())
-    assert set(res["runs"]) == {"torchvision", "scan", "blocks"}
+    assert set(res["runs"]) == {"torchvision", "scan", "scan_kernel", "blocks"}
     assert res["matches_torchvision"] == {"scan": True, "blocks": True}
     assert res["boxes_per_row"] == 200 and res["canvas"] == [96, 96] and res["auto_method"] == "blocks"
     assert all(r["iters"] == 2 and r["median_s"] > 0 for r in res["runs"].values())
