@@ -266,6 +266,10 @@ def figures(result: Dict) -> str:
         theirs = res.get("runs", {}).get("torchvision", {})
         return (f"ours {ours.get('images_per_s', float('nan')):.1f} img/s, torchvision "
                 f"{theirs.get('images_per_s', float('nan')):.1f} img/s, x{res['ratio_pairwise_median']:.2f} (pairwise)")
+    stopped = res.get("runs", {}).get("torchvision", {}).get("stopped")
+    if stopped:
+        ours = res["runs"].get("ours", {})
+        return f"ours {ours.get('images_per_s', float('nan')):.1f} img/s; torchvision stopped: {stopped}"
     loader = res.get("runs", {}).get("loader")
     if loader is not None:
         return f"loader {loader['images_per_s']:.1f} img/s ({loader['num_workers']} workers)"

@@ -206,6 +206,10 @@ def format_summary(result: Dict[str, Any]) -> str:
     lines = [f"task={result['task']} device={result['device']} iters={result['iters']} warmup={result['warmup']}"]
     mem_unit = "MiB"
     for name, r in result["runs"].items():
+        if r.get("stopped"):
+            lines.append(f"  {name:<20s} stopped after {r['iters']} timed iterations: {r['stopped']}")
+        if not r["iters"]:
+            continue
         lines.append(
             f"  {name:<20s} median {r['median_s'] * 1000:9.1f} ms/iter (cpu {r['cpu_median_s'] * 1000:9.1f})  (IQR {r['iqr_s'] * 1000:7.1f}, "
             f"min {r['min_s'] * 1000:8.1f}, max {r['max_s'] * 1000:8.1f})  {r['images_per_s']:8.2f} images/s  "

@@ -104,11 +104,13 @@ def benchmark_model(
             return len(batch[0])
 
         runners.append(Runner(name, fn, device))
-    run_interleaved(runners, iters, warmup)
+    # torchvision's reference loop stops at a non-finite loss (make_train_step raises):
+    # its runner leaves, ours goes on and the result says why there is no ratio.
+    run_interleaved(runners, iters, warmup, stop_on=(FloatingPointError,))
     out["runs"] = {r.name: r.summary() for r in runners}
-    out["images_per_iter"] = out["runs"]["ours"]["images_per_iter"]
+    out["images_per_iter"] = out["runs"]["ours"].get("images_per_iter")
     out["batch_shapes"] = [[list(img.shape) for img in b[0]] for b in batches]
-    if compare_torchvision:
+    if compare_torchvision and not runners[-1].stopped:
         out.update(_ratio(out["runs"]["ours"], out["runs"]["torchvision"]))
     return out
 

@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ class Runner:
     def __init__(self, name: str, fn: Callable[[int], int], device: torch.device,
                  prepare: Optional[Callable[[int], None]] = None):
         self.name = name
+        self.stopped: Optional[str] = None  # why run_interleaved took it out of the rotation
         self.fn = fn
         self.prepare = prepare
         self.device = device
@@ -87,6 +88,8 @@ class Runner:
             self.peak_delta_bytes = max(self.peak_delta_bytes, peak - before)
 
     def summary(self) -> Dict[str, Any]:
+        if not self.times:  # stopped before its first timed iteration
+            return {"iters": 0, "stopped": self.stopped}
         out: Dict[str, Any] = summarize_times(self.times, statistics.mean(self.images) if self.images else 0)
         out["times_s"] = [round(t, 6) for t in self.times]
         # CPU seconds of this process (all its threads) per iteration: on a shared
@@ -97,19 +100,33 @@ class Runner:
         out["peak_memory_delta_bytes"] = int(self.peak_delta_bytes)
         out["peak_memory_mib"] = round(self.peak_bytes / 2**20, 1)
         out["memory_kind"] = memory_kind(self.device)
+        if self.stopped:
+            out["stopped"] = self.stopped
         return out
 
 
-def run_interleaved(runners: Sequence[Runner], iters: int, warmup: int) -> None:
+def run_interleaved(runners: Sequence[Runner], iters: int, warmup: int,
+                    stop_on: Tuple[Type[BaseException], ...] = ()) -> None:
     """Warm each runner up, then alternate them iteration by iteration (the order
-    flips every iteration) so slow phases of a shared machine hit all of them alike."""
-    for r in runners:
+    flips every iteration) so slow phases of a shared machine hit all of them alike.
+    A runner whose iteration raises one of ``stop_on`` leaves the rotation (its
+    ``stopped`` says why); the others go on."""
+    active = list(runners)
+
+    def run(r: Runner, i: int, timed: bool) -> None:
+        try:
+            r.run(i, timed=timed)
+        except stop_on as exc:
+            r.stopped = f"{type(exc).__name__} at {'timed' if timed else 'warm-up'} iteration {i}: {exc}"
+            active.remove(r)
+
+    for r in list(active):
         for i in range(warmup):
-            r.run(i, timed=False)
+            if r in active:
+                run(r, i, timed=False)
     for i in range(iters):
-        order = list(runners) if i % 2 == 0 else list(reversed(runners))
-        for r in order:
-            r.run(warmup + i, timed=True)
+        for r in (list(active) if i % 2 == 0 else list(reversed(active))):
+            run(r, warmup + i, timed=True)
 
 
 def machine_info(device: torch.device) -> Dict[str, Any]:

@@ -17,7 +17,8 @@ from benchmarks import gpu_check, run_benchmark, static_accuracy
 from benchmarks.profiling import DENSE_OPS, profile_train_step
 from benchmarks.memory import peak_memory_bytes, reset_peak_memory
 from benchmarks.tasks import benchmark_eval
-from benchmarks.timing import summarize_times
+from benchmarks.run import format_summary
+from benchmarks.timing import Runner, run_interleaved, summarize_times
 from benchmarks.torchvision_ref import build_torchvision_model
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
 
@@ -308,3 +309,33 @@ def test_an_empty_generated_eval_case_is_a_usage_error(args, capsys):
     with pytest.raises(SystemExit) as info:
         load_tool("benchmark").parse_args(["--config", str(TINY), "--task", "eval", *args])
     assert info.value.code == 2 and "--eval-images and --eval-boxes must be >= 1" in capsys.readouterr().err
+
+
+def test_a_runner_that_stops_leaves_the_rotation_and_says_why():
+    """torchvision's reference loop stops at a non-finite loss (the first float16 run on
+    a GPU): its runner leaves, ours is still timed, and the summary names the reason."""
+    calls = {"ours": 0, "torchvision": 0, "early": 0}
+
+    def fn(name, fail_at):
+        def run(i):
+            calls[name] += 1
+            if calls[name] == fail_at:
+                raise FloatingPointError("torchvision's training loss is nan")
+            return 2
+        return run
+
+    cpu = torch.device("cpu")
+    ours, tv, early = Runner("ours", fn("ours", 0), cpu), Runner("torchvision", fn("torchvision", 4), cpu), \
+        Runner("early", fn("early", 1), cpu)
+    run_interleaved([ours, tv, early], iters=5, warmup=2, stop_on=(FloatingPointError,))
+    assert calls == {"ours": 7, "torchvision": 4, "early": 1}
+    assert ours.summary()["iters"] == 5 and "stopped" not in ours.summary()
+    assert tv.summary()["iters"] == 1 and tv.stopped == "FloatingPointError at timed iteration 3: torchvision's training loss is nan"
+    assert early.summary() == {"iters": 0, "stopped": "FloatingPointError at warm-up iteration 0: torchvision's training loss is nan"}
+    with pytest.raises(FloatingPointError):
+        run_interleaved([Runner("t", fn("torchvision", 5), cpu)], iters=2, warmup=0)  # not asked: raised
+    result = {"task": "train", "device": "cpu", "iters": 5, "warmup": 2,
+              "runs": {"ours": ours.summary(), "torchvision": tv.summary(), "early": early.summary()}}
+    text = format_summary(result)
+    assert "torchvision          stopped after 1 timed iterations: FloatingPointError" in text
+    assert "early                stopped after 0 timed iterations" in text and text.count("median") == 2

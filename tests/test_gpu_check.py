@@ -178,3 +178,8 @@ def test_the_table_shows_the_nms_timings_and_their_check():
     res = {"task": "nms", "runs": {"torchvision": {"median_s": 0.0031}, "scan": {"median_s": 0.0004}},
            "matches_torchvision": {"scan": True}}
     assert gpu_check.figures({"result": res}) == "torchvision 3.10 ms, scan 0.40 ms; matches torchvision: {'scan': True}"
+
+
+def test_the_table_shows_ours_when_torchvision_stopped():
+    res = {"runs": {"ours": {"images_per_s": 40.04}, "torchvision": {"iters": 0, "stopped": "FloatingPointError ..."}}}
+    assert gpu_check.figures({"result": res}) == "ours 40.0 img/s; torchvision stopped: FloatingPointError ..."
