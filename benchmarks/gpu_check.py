@@ -195,10 +195,14 @@ def _final_ap(run_dir: Path) -> Optional[float]:
 
 
 def _launch(run: Run, out_dir: Path) -> Tuple[subprocess.Popen, Path, float]:
-    """Start ``run`` in its own session, its output to ``out_dir/<name>.log``."""
+    """Start ``run`` in its own session, its output to ``out_dir/<name>.log`` (pytest's
+    failures also to ``<name>-failures.txt`` as they happen)."""
     log = out_dir / f"{run.name}.log"
+    # pytest appends each failure to <name>-failures.txt at once (tests/conftest.py).
+    env = {**os.environ, "PYTEST_FAILURE_LOG": str(out_dir / f"{run.name}-failures.txt")}
     with open(log, "w") as out:
-        proc = subprocess.Popen(run.argv(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(run.argv(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
     return proc, log, time.perf_counter()
 
 
@@ -211,6 +215,9 @@ def _result(run: Run, rc: int, seconds: float, log: Path) -> Dict:
         result["result"] = json.loads((ROOT / run.json).read_text())
     if run.tool == "train":
         result["AP"] = _final_ap(ROOT / OUT / run.name)
+    failures = log.with_name(f"{run.name}-failures.txt")
+    if failures.is_file():
+        result["failures"] = failures.read_text(errors="replace")[-6000:]
     return result
 
 

@@ -167,6 +167,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_real)
 
 
+def pytest_runtest_logreport(report):
+    """With ``PYTEST_FAILURE_LOG`` set (``make gpu-check`` sets it), each failure's report
+    is appended to that file as it happens: a session cut by a time limit, which never
+    prints its summary, still leaves why its tests failed. Under xdist the worker writes
+    (the controller's copy of a worker's report carries ``node``)."""
+    path = os.environ.get("PYTEST_FAILURE_LOG")
+    if path and report.failed and getattr(report, "node", None) is None:
+        with open(path, "a") as out:
+            out.write(f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return ROOT

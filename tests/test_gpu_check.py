@@ -6,6 +6,7 @@ command line parses with its tool's own parser; the budget logic."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -183,3 +184,31 @@ def test_the_table_shows_the_nms_timings_and_their_check():
 def test_the_table_shows_ours_when_torchvision_stopped():
     res = {"runs": {"ours": {"images_per_s": 40.04}, "torchvision": {"iters": 0, "stopped": "FloatingPointError ..."}}}
     assert gpu_check.figures({"result": res}) == "ours 40.0 img/s; torchvision stopped: FloatingPointError ..."
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_pytest_failures_are_written_as_they_happen(tmp_path, workers):
+    """gpu-check's pytest run sets PYTEST_FAILURE_LOG: each failure, once, with its reason
+    (a session cut by its time limit prints no summary; the second GPU run lost two)."""
+    (tmp_path / "test_cases.py").write_text(
+        "def test_fails():\n    assert 1 == 2, 'one is not two'\n\n\ndef test_passes():\n    pass\n")
+    log = tmp_path / "failures.txt"
+    env = {**os.environ, "PYTEST_FAILURE_LOG": str(log), "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", *workers,
+                          str(tmp_path / "test_cases.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = log.read_text()
+    assert text.count("FAILED ") == 1 and "test_cases.py::test_fails (call)" in text and "one is not two" in text
+
+
+def test_a_pytest_run_cut_at_its_limit_keeps_its_failures(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    (tmp_path / "test_late.py").write_text(
+        "import time\n\n\ndef test_a_fails():\n    assert 1 == 2, 'one is not two'\n\n\n"
+        "def test_b_hangs():\n    time.sleep(120)\n")
+    run = Run("late", "pytest", ("-q", "-p", "no:cacheprovider", "-p", "conftest", str(tmp_path / "test_late.py")), 20,
+              parallel=True)
+    result = run_all([run], 240.0, tmp_path)[0]
+    assert result["rc"] == 124 and "one is not two" in result["failures"]
+    assert "one is not two" not in "\n".join(result["tail"])  # pytest never printed it
