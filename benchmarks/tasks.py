@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from detector.evaluation import score_detections
 from detector.modeling.export import load_exported
 from detector.modeling.faster_rcnn import FasterRCNN
 
-from .batches import cached_batches, cycle_epochs
+from .batches import Batch, cached_batches, cycle_epochs
 from .coco_case import generate_case, pycocotools_direct
 from .steps import apply_speed_options, build_ours, make_ours_train_step, make_step
 from .timing import Runner, machine_info, run_interleaved
@@ -88,31 +88,49 @@ def benchmark_model(
         out["models"]["torchvision"] = _model_info(tv)
     out["torchvision_options"] = "same as ours" if torchvision_options else "torchvision defaults"
 
-    runners = []
-    for name, model in models.items():
-        # The optimizer's log line once per benchmark: ours here, not the later builds.
-        step, models[name] = make_step(model, cfg, device, task, torchvision_api=name == "torchvision",
-                                       log_optimizer=name == "ours")
-        if is_train and name == "ours":
-            out["ours_step"] = ("detector.engine.graphed_train_step.GraphedTrainStep" if cfg.train.cuda_graphs
-                                else "detector.engine.step.TrainStep")
-            out["static_step"] = bool(cfg.train.static_step)
-
-        def fn(i: int, step=step) -> int:
-            batch = batches[i % len(batches)]
-            step(batch)
-            return len(batch[0])
-
-        runners.append(Runner(name, fn, device))
+    if is_train:
+        out["ours_step"] = ("detector.engine.graphed_train_step.GraphedTrainStep" if cfg.train.cuda_graphs
+                            else "detector.engine.step.TrainStep")
+        out["static_step"] = bool(cfg.train.static_step)
+    runners, skipped = _runners(models, batches, cfg, device, task)
     # torchvision's reference loop stops at a non-finite loss (make_train_step raises):
     # its runner leaves, ours goes on and the result says why there is no ratio.
     run_interleaved(runners, iters, warmup, stop_on=(FloatingPointError,))
     out["runs"] = {r.name: r.summary() for r in runners}
+    if is_train:  # ours's steps skipped as non-finite, warm-up included (timed all the same)
+        out["ours_nonfinite_steps"] = int(skipped["ours"])
     out["images_per_iter"] = out["runs"]["ours"].get("images_per_iter")
     out["batch_shapes"] = [[list(img.shape) for img in b[0]] for b in batches]
     if compare_torchvision and not runners[-1].stopped:
         out.update(_ratio(out["runs"]["ours"], out["runs"]["torchvision"]))
     return out
+
+
+def _skipped(result: Any) -> Any:
+    """1 if ``result`` (ours's ``StepResult``) is a step skipped as non-finite, else 0:
+    a device tensor for the CUDA-graph step (its ``skip_flag``, read once at the end)."""
+    flag = getattr(result, "skip_flag", None)
+    return flag if flag is not None else int(bool(getattr(result, "nonfinite", False)))
+
+
+def _runners(models: Dict[str, nn.Module], batches: List[Batch], cfg: Config, device: torch.device,
+             task: str) -> Tuple[List[Runner], Dict[str, Any]]:
+    """A ``Runner`` per model: its step (``make_step``) on the cached batches in turn; and
+    per model the count of its steps skipped as non-finite (``_skipped``), kept up to date."""
+    runners, skipped = [], {}
+    for name, model in models.items():
+        # The optimizer's log line once per benchmark: ours here, not the later builds.
+        step, models[name] = make_step(model, cfg, device, task, torchvision_api=name == "torchvision",
+                                       log_optimizer=name == "ours")
+        skipped[name] = 0
+
+        def fn(i: int, step=step, name=name) -> int:
+            batch = batches[i % len(batches)]
+            skipped[name] = skipped[name] + _skipped(step(batch))
+            return len(batch[0])
+
+        runners.append(Runner(name, fn, device))
+    return runners, skipped
 
 
 def benchmark_train_loader(cfg: Config, iters: int, warmup: int) -> Dict[str, Any]:

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import mmap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from detector.config import load_config
 from benchmarks import gpu_check, run_benchmark, static_accuracy
 from benchmarks.profiling import DENSE_OPS, profile_train_step
 from benchmarks.memory import peak_memory_bytes, reset_peak_memory
-from benchmarks.tasks import benchmark_eval
+from benchmarks.tasks import _skipped, benchmark_eval
 from benchmarks.run import format_summary
 from benchmarks.timing import Runner, run_interleaved, summarize_times
 from benchmarks.torchvision_ref import build_torchvision_model
@@ -93,6 +94,7 @@ def test_train_json_tiny_config(tmp_path, restore_threads, caplog):
     assert result["runs"]["ours_loader"]["data_wait_median_s"] >= 0
     assert result["machine"]["torch_threads"] == 1
     assert result["ours_step"] == "detector.engine.step.TrainStep"
+    assert result["ours_nonfinite_steps"] == 0
     assert 0 < result["runs"]["ours"]["cpu_median_s"] < 600
     # Three training steps were built (ours, torchvision's, ours fed by the loader): the
     # optimizer's line is logged once.
@@ -339,3 +341,12 @@ def test_a_runner_that_stops_leaves_the_rotation_and_says_why():
     text = format_summary(result)
     assert "torchvision          stopped after 1 timed iterations: FloatingPointError" in text
     assert "early                stopped after 0 timed iterations" in text and text.count("median") == 2
+
+
+def test_skipped_steps_are_counted_from_either_step_kind():
+    """The eager step says it on the host (``nonfinite``), the CUDA-graph step on the
+    device (``skip_flag``, summed there and read once); torchvision's step returns a float."""
+    assert _skipped(SimpleNamespace(skip_flag=None, nonfinite=True)) == 1
+    assert _skipped(SimpleNamespace(skip_flag=None, nonfinite=False)) == 0
+    total = 0 + _skipped(SimpleNamespace(skip_flag=torch.tensor(1.0), nonfinite=False))
+    assert isinstance(total, torch.Tensor) and int(total + _skipped(0.5)) == 1
