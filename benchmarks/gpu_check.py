@@ -152,7 +152,7 @@ def plan() -> List[Run]:
     graphs_two = _bench("train-r50-graphs-bf16-2img", "train", 120, *GRAPHS, CANVAS_R50, *BF16, two)
     graphs_eight = _bench("train-r50-graphs-bf16-8img", "train", 120, *GRAPHS, CANVAS_R50, *BF16, eight)
     return [
-        Run("pytest-gpu", "pytest", ("-v", "-n", "4", "--timeout", "200", "-m", "gpu", "tests"), 300, parallel=True),
+        Run("pytest-gpu", "pytest", ("-v", "-n", "4", "--timeout", "280", "-m", "gpu", "tests"), 300, parallel=True),
         Run("static-check-demo", "benchmark", ("--config", DEMO, "--task", "static-check", "--json",
                                                f"{OUT}/static-check-demo.json", *static_demo),
             300, DEMO, static_demo, f"{OUT}/static-check-demo.json", parallel=True),
