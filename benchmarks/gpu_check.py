@@ -28,7 +28,9 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
 
 It writes ``gpu-report.json`` (every result, the benchmarks' JSON included) and prints
 a short text table. A call with ``--only`` or ``--rest`` merges its results into the
-report already there (same device), so one check can span several 10-minute calls. It downloads nothing (random weights; generated data).
+report already there (same device), so one check can span several 10-minute calls.
+pytest's failures are written as they happen (``gpu-report/<run>-failures.txt``) and kept
+in the report. It downloads nothing (random weights; generated data).
 """
 
 from __future__ import annotations
@@ -196,9 +198,8 @@ def _final_ap(run_dir: Path) -> Optional[float]:
 
 def _launch(run: Run, out_dir: Path) -> Tuple[subprocess.Popen, Path, float]:
     """Start ``run`` in its own session, its output to ``out_dir/<name>.log`` (pytest's
-    failures also to ``<name>-failures.txt`` as they happen)."""
+    failures also to ``<name>-failures.txt`` as they happen, see tests/conftest.py)."""
     log = out_dir / f"{run.name}.log"
-    # pytest appends each failure to <name>-failures.txt at once (tests/conftest.py).
     env = {**os.environ, "PYTEST_FAILURE_LOG": str(out_dir / f"{run.name}-failures.txt")}
     with open(log, "w") as out:
         proc = subprocess.Popen(run.argv(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

@@ -1,4 +1,4 @@
-"""``tools/benchmark.py --task nms``: the proposal NMS of one training step, timed three
+"""``tools/benchmark.py --task nms``: the proposal NMS of one training step, timed four
 ways side by side on the config's device, with its config's sizes.
 
 - ``torchvision``: what torchvision's RPN does, per image ``batched_nms`` over the levels
