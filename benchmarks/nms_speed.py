@@ -23,7 +23,7 @@ from torch import Tensor
 
 from detector.config import Config
 from detector.distributed import resolve_device
-from detector.modeling.nms import pairwise_iou, resolve_method, static_nms
+from detector.modeling.nms import resolve_method, static_nms, suppression_matrix
 from detector.ops.greedy_scan import greedy_scan, pack_suppression
 
 from .timing import Runner, machine_info, run_interleaved
@@ -47,12 +47,11 @@ def clustered_rows(rows: int, num: int, height: int, width: int, size: float, se
 
 
 def packed_rows(boxes: Tensor, scores: Tensor, threshold: float) -> Tensor:
-    """The suppression words ``[R, N, W]`` of each row's boxes in decreasing score order
-    (``pack_suppression`` of "i before j and IoU > threshold")."""
+    """The suppression words ``[R, N, W]`` of each row's boxes in decreasing score order,
+    as ``static_nms`` builds them (``pack_suppression`` of ``suppression_matrix``)."""
     order = scores.argsort(dim=1, descending=True, stable=True)
     ranked = boxes.gather(1, order[:, :, None].expand(-1, -1, 4))
-    index = torch.arange(boxes.shape[1], device=boxes.device)
-    return pack_suppression((pairwise_iou(ranked) > threshold) & (index[:, None] < index[None, :]))
+    return pack_suppression(suppression_matrix(ranked, torch.ones_like(scores, dtype=torch.bool), threshold))
 
 
 def _matches(keep: Tensor, valid: Tensor, boxes: Tensor, scores: Tensor, threshold: float) -> bool:

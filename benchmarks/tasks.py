@@ -101,7 +101,7 @@ def benchmark_model(
         out["ours_nonfinite_steps"] = int(skipped["ours"])
     out["images_per_iter"] = out["runs"]["ours"].get("images_per_iter")
     out["batch_shapes"] = [[list(img.shape) for img in b[0]] for b in batches]
-    if compare_torchvision and not runners[-1].stopped:
+    if compare_torchvision and not out["runs"]["torchvision"].get("stopped"):
         out.update(_ratio(out["runs"]["ours"], out["runs"]["torchvision"]))
     return out
 

@@ -116,16 +116,23 @@ def _resolve_block(sup: Tensor, alive: Tensor, max_iters: int) -> tuple[Tensor, 
     return keep, (again != keep).any(dim=1)
 
 
+def suppression_matrix(boxes: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:
+    """``[B, N, N]`` bool, ``[b, i, j]``: box i suppresses box j (i before j, i valid, IoU
+    above ``iou_threshold`` as torchvision's kernel decides it) for boxes ``[B, N, 4]``
+    sorted by decreasing score, ``valid`` ``[B, N]`` bool."""
+    order = torch.arange(boxes.shape[1], device=boxes.device)
+    upper = order[:, None] < order[None, :]  # i before j
+    threshold = _comparable_threshold(iou_threshold, boxes.dtype, boxes.device)
+    return (pairwise_iou(boxes) > threshold) & upper & valid[:, :, None]
+
+
 def _greedy_keep(boxes: Tensor, valid: Tensor, iou_threshold: float, block_size: int,
                  max_iters: int, scan: bool) -> tuple[Tensor, Tensor]:
     """Greedy NMS's keep mask ``[B, N]`` bool for boxes already sorted by decreasing
     score (``valid`` ``[B, N]``: False boxes are neither kept nor suppress), and ``[B]``
     bool "some block did not converge" (``scan``: the one-kernel pass, always exact)."""
     num = boxes.shape[1]
-    order = torch.arange(num, device=boxes.device)
-    upper = order[:, None] < order[None, :]  # i before j
-    threshold = _comparable_threshold(iou_threshold, boxes.dtype, boxes.device)
-    sup = (pairwise_iou(boxes) > threshold) & upper & valid[:, :, None]  # [B, N, N]
+    sup = suppression_matrix(boxes, valid, iou_threshold)
     unconverged = torch.zeros(boxes.shape[0], dtype=torch.bool, device=boxes.device)
     if scan:
         return greedy_scan(pack_suppression(sup), valid), unconverged
