@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from collections import defaultdict
+from typing import Any, Dict, Iterable, Optional
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from detector.config import Config
@@ -39,6 +41,23 @@ def count_ops(events: Any) -> Dict[str, int]:
     syncs = sum(int(e.count) for e in events if e.key in SYNC_EVENTS)
     nonzero = sum(int(e.count) for e in events if e.key == "aten::nonzero")
     return {"aten_ops": aten, "host_syncs": syncs, "nonzero": nonzero}
+
+
+def kernel_summary(events: Iterable[Any], row_limit: int = 15) -> Dict[str, Any]:
+    """The device's own records in a profile (``prof.events()``): kernels, copies and
+    memsets, those replayed from a CUDA graph included. ``gpu_busy_ms``: their summed
+    durations (the device's busy time when they do not overlap, which one stream's do
+    not); ``top_kernels``: the ``row_limit`` longest by name (ms, count, share)."""
+    per_name: Dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            per_name[e.name][0] += e.time_range.elapsed_us()
+            per_name[e.name][1] += 1
+    busy = sum(t for t, _ in per_name.values())
+    rows = sorted(per_name.items(), key=lambda kv: kv[1][0], reverse=True)[:row_limit]
+    return {"gpu_busy_ms": round(busy / 1000.0, 3),
+            "top_kernels": [{"name": name[:120], "ms": round(t / 1000.0, 3), "calls": n,
+                             "share": round(t / (busy or 1.0), 4)} for name, (t, n) in rows]}
 
 
 def profile_train_step(
@@ -106,7 +125,9 @@ def _profile_step(cfg: Config, device: torch.device, warmup: int, row_limit: int
         }
         for e in rows
     ]
+    kernels = kernel_summary(prof.events()) if device.type == "cuda" else {}
     return {
+        **kernels,
         "model": "torchvision" if torchvision_model else "ours",
         "step_self_ms": round(total / 1000.0, 3),
         "top_ops": top,

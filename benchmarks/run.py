@@ -241,4 +241,8 @@ def format_summary(result: Dict[str, Any]) -> str:
         lines.append(f"    convolution and linear kernels: {prof['dense_share'] * 100:.1f}% of the step"
                      + (f" (bounds ours / torchvision at {1 / prof['dense_share']:.2f}x)"
                         if name == "torchvision" and prof["dense_share"] > 0 else ""))
+        if "gpu_busy_ms" in prof:
+            lines.append(f"    device busy {prof['gpu_busy_ms']:.2f} ms in the step; longest kernels:")
+            lines += [f"      {k['ms']:8.2f} ms {k['share'] * 100:5.1f}% x{k['calls']:<4d} {k['name'][:90]}"
+                      for k in prof["top_kernels"]]
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import yaml
 
 from detector.config import load_config
 from benchmarks import gpu_check, run_benchmark, static_accuracy
-from benchmarks.profiling import DENSE_OPS, profile_train_step
+from benchmarks.profiling import DENSE_OPS, kernel_summary, profile_train_step
 from benchmarks.memory import peak_memory_bytes, reset_peak_memory
 from benchmarks.tasks import _skipped, benchmark_eval
 from benchmarks.run import format_summary
@@ -288,6 +288,22 @@ def test_infer_profile_json(tmp_path, restore_threads, capsys):
     assert "one inference batch" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--profile applies to --task train or infer"):
         run_benchmark(load_config(None), "data", profile=True)
+
+
+def test_kernel_summary_counts_device_records_only():
+    """The device's busy time sums the CUDA records (kernels, copies) by name; host
+    records, which a real CPU profile has only of, count for nothing."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(8) @ torch.ones(8)
+    assert kernel_summary(prof.events()) == {"gpu_busy_ms": 0.0, "top_kernels": []}
+
+    def record(name, us, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [record("gemm", 3000.0), record("nms", 500.0), record("gemm", 1000.0), record("aten::mm", 9000.0,
+                                                                                           torch.autograd.DeviceType.CPU)]
+    summary = kernel_summary(events, row_limit=1)
+    assert summary == {"gpu_busy_ms": 4.5, "top_kernels": [{"name": "gemm", "ms": 4.0, "calls": 2, "share": 0.8889}]}
 
 
 def test_static_accuracy_trains_both_steps_per_seed(tmp_path):

@@ -6,6 +6,7 @@ the bookkeeping that the SyncBN test relies on, with plain BatchNorm."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -115,11 +116,46 @@ def train_command(nproc: int, out: Path, data: Path, backend: str, *extra: str) 
             str(ROOT / "tools" / "train.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), *overrides, *extra]
 
 
-def run(cmd: list) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NO_ALBUMENTATIONS_UPDATE="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
+def descendants(pid: int) -> list:
+    """``pid``'s child processes, their children and so on (Linux ``/proc``)."""
+    children: dict = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def run(cmd: list, timeout_s: float = 60.0) -> str:
+    """``cmd``'s output; it must exit 0 within ``timeout_s``. A launch still running then
+    fails the test with every process's Python stacks: its workers (in sessions of their
+    own under torchrun) get SIGABRT, which faulthandler turns into a dump of their threads."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NO_ALBUMENTATIONS_UPDATE="1",
+               PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for pid in reversed(descendants(proc.pid)):
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"still running after {timeout_s:.0f} s: {' '.join(map(str, cmd[-3:]))}\n{out[-12000:]}")
+    assert proc.returncode == 0, out[-8000:]
+    return out
 
 
 @pytest.mark.gpu
