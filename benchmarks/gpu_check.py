@@ -19,10 +19,12 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
 - then one at a time, most wanted first: R50-FPN 1x training against torchvision
   (``--task train --compare-torchvision``, synthetic batches of 800x1066 images, the
   recipe's canvases ``[[800, 1344], [1344, 800]]`` for the static steps): the eager step
-  (AMP bfloat16), the CUDA-graph step at 2 and 8 images, the proposal NMS alone
+  (AMP bfloat16), the CUDA-graph step at 2 and 8 images (8 with a profile of the
+  device's kernels, then two candidates for the 8-image goal: NHWC activations, and
+  canvases that fit 800x1066 images), the proposal NMS alone
   (``--task nms``: torchvision's per-image ``batched_nms`` against ``static_nms``'s kernel
-  and its blocked resolution), inference with ``eval.amp``, the static step, eager
-  float16, then the recipe's training loader alone (``--task data``: decode, multi-scale
+  and its blocked resolution), inference with ``eval.amp`` (profiled), the static step,
+  eager float16 (profiled: it was 1.8x slower than bfloat16), then the recipe's training loader alone (``--task data``: decode, multi-scale
   resize, flip, collate; its 4 workers) on generated JPEGs of COCO's sizes, to set its
   images/s beside the step's, and the compiled backbone.
 
@@ -56,6 +58,9 @@ DEMO = "configs/demo_shapes.yaml"
 OUT = "gpu-report"
 BUDGET_S = 570  # of the device tool's 600 s per call
 CANVAS_R50 = "model.canvas_sizes=[[800,1344],[1344,800]]"
+# The recipe's canvases and, first, the 4:3 ones that hold an 800x1066 image (torchvision
+# pads the benchmark's images to 800x1088 too: the same pixels in both models).
+CANVAS_R50_43 = "model.canvas_sizes=[[800,1088],[1088,800],[800,1344],[1344,800]]"
 STATIC = ("train.static_step=true",)
 GRAPHS = ("train.static_step=true", "train.cuda_graphs=true")
 BF16 = ("train.amp.enabled=true", "train.amp.dtype=bfloat16")
@@ -94,14 +99,18 @@ class Run:
         return [sys.executable, f"tools/{self.tool}.py", *self.args]
 
 
-def _bench(name: str, task: str, limit_s: int, *overrides: str, iters: int = 20, warmup: int = 5) -> Run:
+def _bench(name: str, task: str, limit_s: int, *overrides: str, iters: int = 20, warmup: int = 5,
+           profile: bool = False) -> Run:
     """``tools/benchmark.py --task train|infer --compare-torchvision`` on R50-FPN 1x, from
-    random weights (offline); synthetic training images at the recipe's largest scale."""
+    random weights (offline); synthetic training images at the recipe's largest scale.
+    ``profile``: then ``--profile`` (one step of each model under torch.profiler: the
+    device's busy time and its longest kernels)."""
     sizes = ("input.min_size_train=[800]",) if task == "train" else ()
     overrides = ("train.device=cuda", "model.backbone_weights=", *sizes, *overrides)
     json_file = f"{OUT}/{name}.json"
     args = ("--config", R50, "--task", task, "--compare-torchvision", "--synthetic", "--no-loader",
-            "--iters", str(iters), "--warmup", str(warmup), "--json", json_file, *overrides)
+            "--iters", str(iters), "--warmup", str(warmup), *(("--profile",) if profile else ()),
+            "--json", json_file, *overrides)
     return Run(name, "benchmark", args, limit_s, R50, overrides, json_file)
 
 
@@ -152,7 +161,13 @@ def plan() -> List[Run]:
     two, eight = "solver.images_per_gpu=2", "solver.images_per_gpu=8"
     static_demo = ("train.device=cuda", *STATIC, "model.canvas_sizes=[[160,160]]")
     graphs_two = _bench("train-r50-graphs-bf16-2img", "train", 120, *GRAPHS, CANVAS_R50, *BF16, two)
-    graphs_eight = _bench("train-r50-graphs-bf16-8img", "train", 120, *GRAPHS, CANVAS_R50, *BF16, eight)
+    graphs_eight = _bench("train-r50-graphs-bf16-8img", "train", 180, *GRAPHS, CANVAS_R50, *BF16, eight,
+                          profile=True)
+    # Two candidates for the 8-image goal: activations in NHWC (cuDNN's own layout for
+    # bfloat16 convolutions: no conversions) and canvases that fit the images.
+    eight_nhwc = _bench("train-r50-graphs-bf16-8img-nhwc", "train", 120, *GRAPHS, CANVAS_R50, *BF16, eight,
+                        "train.channels_last=true")
+    eight_43 = _bench("train-r50-graphs-bf16-8img-canvas43", "train", 120, *GRAPHS, CANVAS_R50_43, *BF16, eight)
     return [
         Run("pytest-gpu", "pytest", ("-v", "-n", "4", "--timeout", "280", "-m", "gpu", "tests"), 300, parallel=True),
         Run("static-check-demo", "benchmark", ("--config", DEMO, "--task", "static-check", "--json",
@@ -162,13 +177,17 @@ def plan() -> List[Run]:
         _demo("demo-graphs", 300, *GRAPHS, "model.canvas_sizes=[[160,160]]"),
         _compile(graphs_two, 300),
         _compile(graphs_eight, 300),
+        _compile(eight_nhwc, 300),
+        _compile(eight_43, 300),
         _bench("train-r50-eager-bf16-2img", "train", 60, *BF16, two, iters=10, warmup=3),
         graphs_two,
         graphs_eight,
+        eight_nhwc,
+        eight_43,
         _nms("nms-r50", 60),
-        _bench("infer-r50-eval-amp", "infer", 60, "eval.amp=true", iters=10, warmup=3),
+        _bench("infer-r50-eval-amp", "infer", 90, "eval.amp=true", iters=10, warmup=3, profile=True),
         _bench("train-r50-static-bf16-2img", "train", 120, *STATIC, CANVAS_R50, *BF16, two),
-        _bench("train-r50-eager-fp16-2img", "train", 60, *FP16, two, iters=10, warmup=3),
+        _bench("train-r50-eager-fp16-2img", "train", 90, *FP16, two, iters=10, warmup=3, profile=True),
         _loader("data-r50-loader", 60),
         _bench("train-r50-compiled-backbone-bf16-2img", "train", 150, "train.compile_backbone=true", CANVAS_R50,
                *BF16, two, iters=10, warmup=3),
@@ -269,15 +288,19 @@ def run_all(runs: Sequence[Run], budget_s: float, out_dir: Path = ROOT / OUT) ->
 def figures(result: Dict) -> str:
     """The figures of one result for the table."""
     res = result.get("result") or {}
+    busy = ", ".join(f"{k} busy {p['gpu_busy_ms']:.1f} ms" for k, p in (res.get("profile") or {}).items()
+                     if "gpu_busy_ms" in p)
+    busy = f"; profiled: {busy}" if busy else ""
     if "ratio_pairwise_median" in res:
         ours = res.get("runs", {}).get("ours", {})
         theirs = res.get("runs", {}).get("torchvision", {})
         return (f"ours {ours.get('images_per_s', float('nan')):.1f} img/s, torchvision "
-                f"{theirs.get('images_per_s', float('nan')):.1f} img/s, x{res['ratio_pairwise_median']:.2f} (pairwise)")
+                f"{theirs.get('images_per_s', float('nan')):.1f} img/s, x{res['ratio_pairwise_median']:.2f} (pairwise)"
+                + busy)
     stopped = res.get("runs", {}).get("torchvision", {}).get("stopped")
     if stopped:
         ours = res["runs"].get("ours", {})
-        return f"ours {ours.get('images_per_s', float('nan')):.1f} img/s; torchvision stopped: {stopped}"
+        return f"ours {ours.get('images_per_s', float('nan')):.1f} img/s; torchvision stopped: {stopped}" + busy
     loader = res.get("runs", {}).get("loader")
     if loader is not None:
         return f"loader {loader['images_per_s']:.1f} img/s ({loader['num_workers']} workers)"

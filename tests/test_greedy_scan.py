@@ -16,7 +16,8 @@ import pytest
 import torch
 from torchvision.ops import box_iou, nms
 
-from detector.modeling.nms import static_nms
+from detector.modeling.nms import resolve_method, static_nms
+from detector.ops import greedy_scan as gs
 from detector.ops.greedy_scan import greedy_scan, greedy_scan_reference, pack_suppression
 
 from conftest import ROOT
@@ -167,3 +168,17 @@ def test_cuda_scan_keeps_what_torchvision_keeps_and_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert [k[v].tolist() for k, v in zip(captured.keep, captured.valid)] == want
+
+
+def test_scan_is_chosen_only_on_gpus_that_triton_supports(monkeypatch):
+    """"auto" takes the kernel on CUDA GPUs of compute capability 7.0 and later (with
+    Triton), and the blocked resolution elsewhere: on a Pascal GPU (6.1), the CPU, or
+    without Triton."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(gs, "triton", object())
+    for capability, method in (((6, 1), "blocks"), ((7, 0), "scan"), ((9, 0), "scan")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert resolve_method("auto", cuda) == method, capability
+    assert resolve_method("auto", torch.device("cpu")) == "blocks"
+    monkeypatch.setattr(gs, "triton", None)
+    assert resolve_method("auto", cuda) == "blocks"

@@ -11,7 +11,8 @@ sequential kernels of the blocked Jacobi resolution (``modeling.nms``) by one la
 The matrix travels as bit words (``pack_suppression``): ``words[r, i, w]`` holds, in its
 low 32 bits, whether box ``i`` suppresses boxes ``32 w .. 32 w + 31`` of row ``r``.
 
-- CUDA with Triton (a dependency of torch's CUDA builds): a Triton kernel.
+- CUDA with Triton (a dependency of torch's CUDA builds), on GPUs of compute capability
+  7.0 or later: a Triton kernel.
 - Any other device: the same pass as a loop of tensor operations (for tests and
   reference; ``modeling.nms`` uses the Jacobi resolution there).
 
@@ -45,9 +46,17 @@ def pack_suppression(sup: Tensor) -> Tensor:
     return (sup.view(rows, num, words, BITS).to(torch.int64) * weights).sum(dim=3)
 
 
+# Triton compiles for CUDA GPUs of compute capability 7.0 (Volta) and later only; so does
+# torch.compile's inductor.
+TRITON_MIN_CAPABILITY = (7, 0)
+
+
 def scan_on_device(device: torch.device) -> bool:
-    """True where ``greedy_scan`` runs as one kernel: CUDA with Triton importable."""
-    return device.type == "cuda" and triton is not None
+    """True where ``greedy_scan`` runs as one kernel: a CUDA GPU that Triton supports
+    (compute capability 7.0 or later), with Triton importable."""
+    if device.type != "cuda" or triton is None:
+        return False
+    return torch.cuda.get_device_capability(device) >= TRITON_MIN_CAPABILITY
 
 
 def greedy_scan_reference(words: Tensor, valid: Tensor) -> Tensor:
