@@ -24,7 +24,8 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
   canvases that fit 800x1066 images), the proposal NMS alone
   (``--task nms``: torchvision's per-image ``batched_nms`` against ``static_nms``'s kernel
   and its blocked resolution), inference with ``eval.amp`` (profiled), the static step,
-  eager float16 (profiled: it was 1.8x slower than bfloat16), then the recipe's training loader alone (``--task data``: decode, multi-scale
+  eager float16 (profiled: it was 1.8x slower than bfloat16), two candidates for the
+  inference goal (NHWC; the backbone compiled at canvases), then the recipe's training loader alone (``--task data``: decode, multi-scale
   resize, flip, collate; its 4 workers) on generated JPEGs of COCO's sizes, to set its
   images/s beside the step's, and the compiled backbone.
 
@@ -188,6 +189,12 @@ def plan() -> List[Run]:
         _bench("infer-r50-eval-amp", "infer", 90, "eval.amp=true", iters=10, warmup=3, profile=True),
         _bench("train-r50-static-bf16-2img", "train", 120, *STATIC, CANVAS_R50, *BF16, two),
         _bench("train-r50-eager-fp16-2img", "train", 90, *FP16, two, iters=10, warmup=3, profile=True),
+        # Two candidates for the inference goal: NHWC activations, and the backbone and FPN
+        # compiled at fixed canvases (FrozenBN, ReLU and the residual adds fused).
+        _bench("infer-r50-eval-amp-nhwc", "infer", 60, "eval.amp=true", "train.channels_last=true", iters=10,
+               warmup=3),
+        _bench("infer-r50-eval-amp-compiled-backbone", "infer", 150, "eval.amp=true", "train.compile_backbone=true",
+               CANVAS_R50_43, iters=10, warmup=3),
         _loader("data-r50-loader", 60),
         _bench("train-r50-compiled-backbone-bf16-2img", "train", 150, "train.compile_backbone=true", CANVAS_R50,
                *BF16, two, iters=10, warmup=3),
@@ -291,6 +298,8 @@ def figures(result: Dict) -> str:
     busy = ", ".join(f"{k} busy {p['gpu_busy_ms']:.1f} ms" for k, p in (res.get("profile") or {}).items()
                      if "gpu_busy_ms" in p)
     busy = f"; profiled: {busy}" if busy else ""
+    reserve = res.get("runs", {}).get("ours", {}).get("reserved_growth_mib")
+    busy = (f"; ours reserve +{reserve:.0f} MiB" if reserve is not None else "") + busy
     if "ratio_pairwise_median" in res:
         ours = res.get("runs", {}).get("ours", {})
         theirs = res.get("runs", {}).get("torchvision", {})

@@ -54,5 +54,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
+def reserved_bytes(device: torch.device) -> Optional[int]:
+    """Bytes the CUDA caching allocator holds from the driver (``memory_reserved``: free
+    blocks and CUDA graphs' private pools included); None off CUDA."""
+    return int(torch.cuda.memory_reserved(device)) if device.type == "cuda" else None
+
+
 def memory_kind(device: torch.device) -> str:
     return "cuda_max_memory_allocated" if device.type == "cuda" else "cpu_peak_rss"

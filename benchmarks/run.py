@@ -214,6 +214,7 @@ def format_summary(result: Dict[str, Any]) -> str:
             f"  {name:<20s} median {r['median_s'] * 1000:9.1f} ms/iter (cpu {r['cpu_median_s'] * 1000:9.1f})  (IQR {r['iqr_s'] * 1000:7.1f}, "
             f"min {r['min_s'] * 1000:8.1f}, max {r['max_s'] * 1000:8.1f})  {r['images_per_s']:8.2f} images/s  "
             f"peak {r['peak_memory_mib']:8.1f} {mem_unit} ({r['memory_kind']})"
+            + (f", reserve grew {r['reserved_growth_mib']:.0f} MiB" if "reserved_growth_mib" in r else "")
         )
     if "ratio" in result:
         lines.append(

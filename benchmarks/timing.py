@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torchvision
 
-from .memory import current_memory_bytes, memory_kind, peak_memory_bytes, reset_peak_memory
+from .memory import current_memory_bytes, memory_kind, peak_memory_bytes, reserved_bytes, reset_peak_memory
 
 
 def synchronize(device: torch.device) -> None:
@@ -47,7 +47,10 @@ def summarize_times(times: Sequence[float], images_per_iter: float) -> Dict[str,
 
 
 class Runner:
-    """Times one callable per iteration and tracks its peak memory.
+    """Times one callable per iteration and tracks its peak memory, and on CUDA the
+    growth of the allocator's reserve during its calls (warm-up included: a CUDA graph's
+    private pool is reserved at capture, and a replay allocates nothing, so the peak
+    counter never sees a graph step's activations; their reserve is that growth).
 
     ``fn(i)`` runs iteration ``i`` and returns the number of images it processed;
     ``prepare(i)``, if given, runs first, outside the timed region (e.g. fresh copies
@@ -66,6 +69,7 @@ class Runner:
         self.images: List[int] = []
         self.peak_bytes = 0
         self.peak_delta_bytes = 0
+        self.reserved_growth_bytes = 0
 
     def run(self, i: int, timed: bool = True) -> None:
         if self.prepare is not None:
@@ -73,6 +77,7 @@ class Runner:
         synchronize(self.device)
         reset_peak_memory(self.device)
         before = current_memory_bytes(self.device)
+        reserved = reserved_bytes(self.device)
         c0 = time.process_time()
         t0 = time.perf_counter()
         n = self.fn(i)
@@ -80,6 +85,8 @@ class Runner:
         dt = time.perf_counter() - t0
         cpu = time.process_time() - c0
         peak = peak_memory_bytes(self.device)
+        if reserved is not None:
+            self.reserved_growth_bytes += max(0, reserved_bytes(self.device) - reserved)
         if timed:
             self.times.append(dt)
             self.cpu_times.append(cpu)
@@ -100,6 +107,8 @@ class Runner:
         out["peak_memory_delta_bytes"] = int(self.peak_delta_bytes)
         out["peak_memory_mib"] = round(self.peak_bytes / 2**20, 1)
         out["memory_kind"] = memory_kind(self.device)
+        if self.device.type == "cuda":
+            out["reserved_growth_mib"] = round(self.reserved_growth_bytes / 2**20, 1)
         if self.stopped:
             out["stopped"] = self.stopped
         return out

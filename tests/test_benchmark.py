@@ -366,3 +366,26 @@ def test_skipped_steps_are_counted_from_either_step_kind():
     assert _skipped(SimpleNamespace(skip_flag=None, nonfinite=False)) == 0
     total = 0 + _skipped(SimpleNamespace(skip_flag=torch.tensor(1.0), nonfinite=False))
     assert isinstance(total, torch.Tensor) and int(total + _skipped(0.5)) == 1
+
+
+def test_runner_counts_the_reserve_its_calls_grow(monkeypatch):
+    """The allocator's reserve grown during a runner's own calls, warm-up included (where
+    a CUDA graph's pool is reserved at capture); a reserve that shrinks counts as 0. Off
+    CUDA there is no reserve: nothing counted, nothing reported."""
+    from benchmarks import timing
+
+    reserve = {"bytes": 0}
+    monkeypatch.setattr(timing, "reserved_bytes", lambda device: reserve["bytes"])
+    grows = iter([2**30, 0, 2**20, -2**29, 0])
+
+    def fn(i):
+        reserve["bytes"] += next(grows)
+        return 2
+
+    runner = Runner("ours", fn, torch.device("cpu"))
+    run_interleaved([runner], iters=3, warmup=2)
+    assert runner.reserved_growth_bytes == 2**30 + 2**20
+    monkeypatch.undo()
+    plain = Runner("ours", lambda i: 2, torch.device("cpu"))
+    plain.run(0)
+    assert plain.reserved_growth_bytes == 0 and "reserved_growth_mib" not in plain.summary()
