@@ -38,7 +38,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PROGRAMS = ("python", "python3", "torchrun", "make", "tensorboard", "pip", "srun", "for", "source", ".venv/bin/")
 # Shell variables the commands use, and a value to check them with.
 SHELL_VARS = {"HEAD": "127.0.0.1", "n": "0", "SLURM_NNODES": "2", "SLURM_JOB_ID": "1",
-              "SLURM_JOB_NODELIST": "node1", "R50": "", "R": "../shared/data/real/coco2017_16"}
+              "SLURM_JOB_NODELIST": "node1", "R50": "", "R": "../shared/data/real/coco2017_16",
+              "OUT": "/tmp/out"}  # OUT: the folder a lent GPU machine returns (docs/performance.md)
 # Tokens of a usage synopsis that stand for the user's own value.
 PLACEHOLDERS = {"C", "W", "O", "F", "K", "...", "CKPT", "OUT", "H", "N", "TASK", "dets.json", "instances.json",
                 "instances_val2017.json", "gt.json", "photo.jpg_or_folder", "configs/my_data.yaml"}
