@@ -24,7 +24,8 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
   canvases that fit 800x1066 images), the proposal NMS alone
   (``--task nms``: torchvision's per-image ``batched_nms`` against ``static_nms``'s kernel
   and its blocked resolution), inference with ``eval.amp`` (profiled), the static step,
-  eager float16 (profiled: it was 1.8x slower than bfloat16), two candidates for the
+  eager float16 (profiled: it was 1.8x slower than bfloat16) and the CUDA-graph step in
+  float16 (its loss scale on the device), two candidates for the
   inference goal (NHWC; the backbone compiled at canvases), then the recipe's training loader alone (``--task data``: decode, multi-scale
   resize, flip, collate; its 4 workers) on generated JPEGs of COCO's sizes, to set its
   images/s beside the step's, and the compiled backbone.
@@ -169,6 +170,8 @@ def plan() -> List[Run]:
     eight_nhwc = _bench("train-r50-graphs-bf16-8img-nhwc", "train", 120, *GRAPHS, CANVAS_R50, *BF16, eight,
                         "train.channels_last=true")
     eight_43 = _bench("train-r50-graphs-bf16-8img-canvas43", "train", 120, *GRAPHS, CANVAS_R50_43, *BF16, eight)
+    # float16 (GPUs without bfloat16): the loss scale on the device, captured with the step.
+    graphs_fp16 = _bench("train-r50-graphs-fp16-2img", "train", 120, *GRAPHS, CANVAS_R50, *FP16, two)
     return [
         Run("pytest-gpu", "pytest", ("-v", "-n", "4", "--timeout", "280", "-m", "gpu", "tests"), 300, parallel=True),
         Run("static-check-demo", "benchmark", ("--config", DEMO, "--task", "static-check", "--json",
@@ -180,6 +183,7 @@ def plan() -> List[Run]:
         _compile(graphs_eight, 300),
         _compile(eight_nhwc, 300),
         _compile(eight_43, 300),
+        _compile(graphs_fp16, 300),
         _bench("train-r50-eager-bf16-2img", "train", 60, *BF16, two, iters=10, warmup=3),
         graphs_two,
         graphs_eight,
@@ -189,6 +193,7 @@ def plan() -> List[Run]:
         _bench("infer-r50-eval-amp", "infer", 90, "eval.amp=true", iters=10, warmup=3, profile=True),
         _bench("train-r50-static-bf16-2img", "train", 120, *STATIC, CANVAS_R50, *BF16, two),
         _bench("train-r50-eager-fp16-2img", "train", 90, *FP16, two, iters=10, warmup=3, profile=True),
+        graphs_fp16,
         # Two candidates for the inference goal: NHWC activations, and the backbone and FPN
         # compiled at fixed canvases (FrozenBN, ReLU and the residual adds fused).
         _bench("infer-r50-eval-amp-nhwc", "infer", 60, "eval.amp=true", "train.channels_last=true", iters=10,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from detector.config import ConfigError, load_config
-from detector.engine.graphed_step import GuardedStaticStep, check_cuda_graphs
+from detector.engine.amp import AmpSettings
+from detector.engine.graphed_step import GuardedStaticStep, check_cuda_graphs, update_scale
 from detector.engine.static_step import StaticForward, static_forward
 from detector.modeling import build_model
 
@@ -17,13 +18,13 @@ from test_static_step import random_batch
 STATIC = ["train.static_step=true", "model.canvas_sizes=[[96,96]]", "data.max_gt_per_image=6"]
 
 
-def setup(device: str = "cpu", capture: bool = False):
+def setup(device: str = "cpu", capture: bool = False, scaler=None, amp: AmpSettings = AmpSettings()):
     cfg = load_config(TINY_CONFIG, STATIC + [f"train.device={device}"])
     torch.manual_seed(0)
     model = build_model(cfg).to(device).train()
     forward = StaticForward.from_config(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4, fused=True)
-    return model, forward, opt, GuardedStaticStep(model, forward.losses_fn, opt, capture=capture)
+    return model, forward, opt, GuardedStaticStep(model, forward.losses_fn, opt, amp, capture=capture, scaler=scaler)
 
 
 def snapshot(model, opt):
@@ -37,8 +38,8 @@ def assert_unchanged(a, b):
         assert torch.equal(x, y)
 
 
-def run_guard(device: str, capture: bool):
-    model, forward, opt, step = setup(device, capture)
+def run_guard(device: str, capture: bool, scaler=None, amp: AmpSettings = AmpSettings()):
+    model, forward, opt, step = setup(device, capture, scaler, amp)
     good = [forward.batch(*random_batch(s)) for s in (1, 2, 3)]
     losses, _, _ = step(good[0])
     assert torch.isfinite(losses).all() and step.loss_names[0] == "total_loss"
@@ -101,3 +102,75 @@ def test_captured_step_equals_the_eager_body_on_cuda():
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-3, atol=1e-6)
     for a, b in zip(state_c, state_e):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def scale_of(scaler) -> tuple:
+    return float(scaler.get_scale()), int(scaler._get_growth_tracker())
+
+
+def test_a_power_of_two_loss_scale_changes_no_bit():
+    """The device-side loss scale (float16's GradScaler) scales the loss and unscales the
+    gradients exactly: with a power of two, three steps train to the same bits as without."""
+    runs = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)):
+        model, forward, opt, step = setup(scaler=scaler)
+        losses = []
+        for seed in (1, 2, 3):
+            torch.manual_seed(seed)
+            losses.append(step(forward.batch(*random_batch(seed)))[0].clone())
+        runs.append((torch.stack(losses), snapshot(model, opt)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert_unchanged(runs[0][1], runs[1][1])
+
+
+def test_the_device_scale_follows_gradscaler():
+    """``update_scale`` against torch's GradScaler driven through its public calls, over
+    overflows, clean steps (growth every 2) and a non-finite loss, which keeps the scale
+    and its count as TrainStep keeps them (``update(get_scale())``)."""
+    kwargs = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.25, growth_interval=2)
+    ours, ref = torch.amp.GradScaler("cpu", **kwargs), torch.amp.GradScaler("cpu", **kwargs)
+    ours._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    history = [2.0**10]
+    for grad, nan_loss in ((float("inf"), False), (1.0, False), (1.0, False), (1.0, False), (float("nan"), True),
+                           (1.0, False), (float("nan"), False)):
+        w.grad = torch.full((3,), grad) * ref.scale(torch.ones(()))  # a scaled loss's gradient
+        ref.unscale_(opt)
+        ref.step(opt)
+        ref.update(ref.get_scale() if nan_loss else None)
+        found_inf = torch.tensor(0.0 if grad == 1.0 else 1.0)
+        update_scale(ours, found_inf, keep=torch.tensor(nan_loss))
+        assert scale_of(ours) == scale_of(ref), (grad, nan_loss)
+        history.append(scale_of(ours)[0])
+    steps = [b / a for a, b in zip(history, history[1:])]
+    assert 0.25 in steps and 2.0 in steps and 1.0 in steps  # backed off, grew, and kept
+
+
+def test_an_overflow_is_calibration_and_a_nan_loss_is_counted():
+    """float16's rules in the guarded step: a scaled loss that overflows skips the step (no
+    parameter, buffer or momentum changes) and is not counted as non-finite; a NaN loss
+    skips, is counted and keeps the scale and its growth count. (The backoff itself:
+    test_the_device_scale_follows_gradscaler.)"""
+    scaler = torch.amp.GradScaler("cpu", init_scale=float("inf"), growth_interval=1000)
+    model, forward, opt, step = setup(scaler=scaler)
+    good = [forward.batch(*random_batch(s)) for s in (1, 2)]
+    before = snapshot(model, opt)
+    step(good[0])  # an infinite scale overflows every gradient
+    assert float(step.found_inf) == 1.0 and float(step.nonfinite_steps) == 0.0
+    assert_unchanged(before, snapshot(model, opt))
+    scaler.update(1024.0)  # in place: the step reads the same tensor
+    step(good[1])
+    assert float(step.found_inf) == 0.0 and not all(torch.equal(x, y) for x, y in zip(before, snapshot(model, opt)))
+    before = snapshot(model, opt)
+    assert scale_of(scaler) == (1024.0, 1)
+    step(good[1]._replace(images=torch.full_like(good[1].images, float("nan"))))
+    assert float(step.nonfinite_steps) == 1.0 and scale_of(scaler) == (1024.0, 1)
+    assert_unchanged(before, snapshot(model, opt))
+
+
+@pytest.mark.gpu
+def test_captured_float16_step_guards_and_scales_on_the_device():
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    run_guard("cuda", capture=True, scaler=scaler, amp=AmpSettings(True, torch.float16))
+    assert scale_of(scaler)[0] == 2.0**10  # no overflow at 2^10, and the NaN step kept the scale

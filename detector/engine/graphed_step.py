@@ -15,6 +15,11 @@ CUDA graph (``train.cuda_graphs: true``).
 7. the buffers saved in 1 come back where ``found_inf`` is 1, and ``nonfinite_steps``
    counts the step (read it at logging points).
 
+With float16 AMP a GradScaler's dynamic scale runs on the device too: the loss is scaled
+before 3's backward, the gradients unscaled after it, and the scale updated after 7
+(``update_scale``), all without a host read, so GPUs without bfloat16 (V100, T4) can
+capture the step as well.
+
 With ``capture=True`` (CUDA only) the body runs a few times on a side stream, then is
 captured into a ``torch.cuda.CUDAGraph``, once per canvas of ``model.canvas_sizes``;
 each call copies the batch into its canvas's input tensors and replays. With ``capture=False`` the same body runs eagerly, on any device: that is how
@@ -62,6 +67,21 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) ->
                 optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
 
 
+def update_scale(scaler: torch.amp.GradScaler, found_inf: Tensor, keep: Tensor) -> None:
+    """``GradScaler.update()`` on the device, as a captured graph can run it: the scale
+    backs off after a step with ``found_inf`` (0-d float32, 1.0: skipped) and grows after
+    ``growth_interval`` clean steps in a row; where ``keep`` (0-d bool: the loss itself was
+    not finite) the scale and its growth count stay as they were, as ``TrainStep`` keeps
+    them (a NaN loss is no overflow to calibrate). ``scaler`` must have its device
+    tensors (``_lazy_init_scale_growth_tracker``)."""
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    old_scale, old_tracker = scale.clone(), tracker.clone()
+    torch._amp_update_scale_(scale, tracker, found_inf.reshape(1), scaler.get_growth_factor(),
+                             scaler.get_backoff_factor(), scaler.get_growth_interval())
+    scale.copy_(torch.where(keep, old_scale, scale))
+    tracker.copy_(torch.where(keep, old_tracker, tracker))
+
+
 def nonfinite_flag(total: Tensor, grad_norm: Tensor) -> Tensor:
     """0-d float32: 1 when the loss or the gradient norm (any gradient) is not finite."""
     return (~torch.isfinite(total.float() + grad_norm.float())).float()
@@ -74,24 +94,29 @@ class GuardedStaticStep:
         model: the ``FasterRCNN`` in training mode.
         losses_fn: ``batch -> (losses, stats, nms_unconverged)`` (``StaticForward.losses_fn``).
         optimizer: a fused SGD over the model's parameters.
-        amp: autocast settings (bfloat16 or off: float16's GradScaler is not captured).
+        amp: autocast settings (off, bfloat16, or float16 with ``scaler``).
         clip_grad_norm: max total gradient norm; <= 0 turns clipping off.
         capture: capture the body in a CUDA graph (CUDA only).
         nms_unconverged: a 0-d int64 device counter the body adds the proposal NMS's
             non-converged runs to (``StaticForward.nms_unconverged``); None: not counted.
+        scaler: an enabled GradScaler for float16 AMP: its scale and growth count become
+            device tensors that the body reads and updates (``update_scale``), so the
+            captured step scales dynamically and checkpoints save the scaler as usual.
 
     Attributes:
         found_inf: 0-d float32 device tensor, 1.0 when the last step was skipped.
-        nonfinite_steps: 0-d float32 device tensor, the skipped steps so far.
+        nonfinite_steps: 0-d float32 device tensor, the steps skipped for a non-finite
+            loss or gradient so far (with ``scaler``: for a non-finite loss; a gradient
+            overflow is the scale's calibration, as in ``TrainStep``).
         loss_names: ``("total_loss", *sorted loss names)``, known after the first call.
     """
 
     def __init__(self, model: nn.Module, losses_fn: LossFn, optimizer: torch.optim.Optimizer,
                  amp: AmpSettings = AmpSettings(), clip_grad_norm: float = 0.0, capture: bool = False,
-                 nms_unconverged: Optional[Tensor] = None) -> None:
-        if amp.uses_scaler:
-            raise ValueError("config key 'train.amp.dtype' float16 needs a GradScaler, which the guarded static "
-                             "step does not run: use bfloat16")
+                 nms_unconverged: Optional[Tensor] = None, scaler: Optional[torch.amp.GradScaler] = None) -> None:
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        if amp.uses_scaler and self.scaler is None:
+            raise ValueError("config key 'train.amp.dtype' float16 needs a GradScaler: pass an enabled one")
         self.model, self.losses_fn, self.optimizer, self.amp = model, losses_fn, optimizer, amp
         self.clip_grad_norm = float(clip_grad_norm)
         self.params: List[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
@@ -99,6 +124,8 @@ class GuardedStaticStep:
         if capture and self.device.type != "cuda":
             raise ValueError(f"config key 'train.cuda_graphs' needs a CUDA device, got {self.device.type}")
         prepare_optimizer(optimizer, self.device)
+        if self.scaler is not None:  # its scale and growth count as device tensors, loaded checkpoints included
+            self.scaler._lazy_init_scale_growth_tracker(self.device)
         self.found_inf = torch.zeros((), device=self.device)
         optimizer.found_inf = self.found_inf  # read by the fused SGD step, on the device
         self.nonfinite_steps = torch.zeros((), device=self.device)
@@ -130,7 +157,13 @@ class GuardedStaticStep:
         self.loss_names = ("total_loss", *sorted(losses))
         parts = torch.stack([losses[k].float() for k in sorted(losses)])
         total = parts.sum()
-        total.backward()
+        if self.scaler is None:
+            total.backward()
+        else:  # float16: the loss scaled, the gradients unscaled, as GradScaler does
+            (total * self.scaler._scale).backward()
+            inv_scale = self.scaler._scale.double().reciprocal().float()
+            overflow = torch.zeros(1, device=self.device)  # (the gradient norm below says it too)
+            torch._amp_foreach_non_finite_check_and_unscale_(self.params_with_grad(), overflow, inv_scale)
         grads = self.params_with_grad()
         grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True).float()
         if self.clip_grad_norm > 0:
@@ -138,7 +171,12 @@ class GuardedStaticStep:
         self.found_inf.copy_(nonfinite_flag(total, grad_norm))
         self.optimizer.step()
         self.snapshot.restore_where(self.found_inf > 0)
-        self.nonfinite_steps.add_(self.found_inf)
+        if self.scaler is None:
+            self.nonfinite_steps.add_(self.found_inf)
+        else:  # a gradient overflow with a finite loss is the scale's calibration, not counted
+            bad_loss = ~torch.isfinite(total)
+            self.nonfinite_steps.add_(bad_loss.float())
+            update_scale(self.scaler, self.found_inf, keep=bad_loss)
         stat_values = (torch.stack([stats[k].float() for k in self.stat_names]) if self.stat_names
                        else torch.zeros(0, device=self.device))
         return torch.cat([total.detach().reshape(1), parts.detach()]), grad_norm.detach(), stat_values.detach()
@@ -147,6 +185,8 @@ class GuardedStaticStep:
         """Everything a step changes: parameters, buffers, momentum buffers, counters."""
         momentum = [s["momentum_buffer"] for s in self.optimizer.state.values() if "momentum_buffer" in s]
         counters = [self.nonfinite_steps] + ([self.nms_unconverged] if self.nms_unconverged is not None else [])
+        if self.scaler is not None:
+            counters += [self.scaler._scale, self.scaler._growth_tracker]
         return [p.data for p in self.params] + list(self.model.buffers()) + momentum + counters
 
     def params_with_grad(self) -> List[Tensor]:

@@ -36,12 +36,11 @@ from detector.engine.step import StepResult
 Batch = Tuple[List[Tensor], List[Dict[str, Any]]]
 
 
-def check_graphed_config(cfg: Config, amp: AmpSettings, world_size: int, device: torch.device,
+def check_graphed_config(cfg: Config, world_size: int, device: torch.device,
                          capture: bool = True) -> None:
     """One-line ``ValueError`` for what ``train.cuda_graphs`` does not run: another
     device than CUDA (when ``capture``), several processes (the captured step holds no
-    gradient all-reduce), ``solver.accumulate_steps`` > 1, an optimizer other than SGD,
-    float16 AMP (its GradScaler's dynamic scale is not captured)."""
+    gradient all-reduce), ``solver.accumulate_steps`` > 1, an optimizer other than SGD."""
     if capture:
         check_cuda_graphs(cfg, device)
     if world_size > 1:
@@ -52,9 +51,6 @@ def check_graphed_config(cfg: Config, amp: AmpSettings, world_size: int, device:
                          f"{cfg.solver.accumulate_steps}")
     if cfg.solver.optimizer != "sgd":
         raise ValueError(f"config key 'solver.optimizer' must be sgd with train.cuda_graphs, got {cfg.solver.optimizer}")
-    if amp.uses_scaler:
-        raise ValueError("config key 'train.amp.dtype' float16 needs a GradScaler, which train.cuda_graphs does "
-                         "not capture: use train.amp.dtype=bfloat16")
 
 
 class GraphedTrainStep:
@@ -64,7 +60,7 @@ class GraphedTrainStep:
         forward: the static forward (its ``batch``, ``losses_fn`` and NMS counter).
         optimizer: a fused SGD over the model's parameters.
         scheduler: stepped once per call; it fills the tensor LRs in place.
-        amp: autocast settings (off or bfloat16).
+        amp: autocast settings (off, bfloat16, or float16 with a device-side dynamic loss scale).
         clip_grad_norm: ``solver.clip_grad_norm`` (<= 0: off), applied on the device.
         capture: capture the step in a CUDA graph; False runs the same body eagerly
             (any device: debugging, and the CPU tests of this wiring).
@@ -80,7 +76,9 @@ class GraphedTrainStep:
         self.clip_grad_norm = float(clip_grad_norm)
         self.capture = bool(capture)
         self.device = self.model.device
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=False)  # checkpoints record it (off)
+        # float16: the step scales the loss on the device with this scaler's tensors;
+        # checkpoints save and restore it as they do TrainStep's.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp.uses_scaler)
         self.guarded: Optional[GuardedStaticStep] = None
 
     @property
@@ -99,7 +97,8 @@ class GraphedTrainStep:
         batch = self.forward.batch(images, targets)
         if self.guarded is None:
             self.guarded = GuardedStaticStep(self.model, self.forward.losses_fn, self.optimizer, self.amp,
-                                             self.clip_grad_norm, self.capture, self.forward.nms_unconverged)
+                                             self.clip_grad_norm, self.capture, self.forward.nms_unconverged,
+                                             self.scaler)
         losses, grad_norm, stats = self.guarded(batch)
         self.scheduler.step()
         return StepResult(losses.clone(), self.guarded.loss_names, grad_norm.clone(), skipped=False,

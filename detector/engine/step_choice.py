@@ -33,7 +33,7 @@ def build_train_step(cfg: Config, model: nn.Module, model_without_ddp: nn.Module
     """
     device = next(model_without_ddp.parameters()).device
     if cfg.train.cuda_graphs:
-        check_graphed_config(cfg, amp, world_size, device, capture=not eager_static)
+        check_graphed_config(cfg, world_size, device, capture=not eager_static)
     forward = static_forward(cfg, model_without_ddp, world_size, eager=eager_static)
     if cfg.train.cuda_graphs and forward is not None:
         return GraphedTrainStep(forward, optimizer, scheduler, amp, cfg.solver.clip_grad_norm, capture=not eager_static)
