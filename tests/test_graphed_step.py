@@ -174,3 +174,18 @@ def test_captured_float16_step_guards_and_scales_on_the_device():
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
     run_guard("cuda", capture=True, scaler=scaler, amp=AmpSettings(True, torch.float16))
     assert scale_of(scaler)[0] == 2.0**10  # no overflow at 2^10, and the NaN step kept the scale
+
+
+def test_a_loaded_scaler_state_is_the_one_the_step_runs_on():
+    """A resume loads the GradScaler before the guarded step exists (it is built at the
+    first call): the step then runs on the loaded scale and growth count, and a checkpoint
+    saves what the step updated."""
+    saved = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=1000)
+    saved._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    saved._growth_tracker.fill_(3)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict(saved.state_dict())
+    model, forward, opt, step = setup(scaler=scaler)
+    assert scale_of(scaler) == (512.0, 3)
+    step(forward.batch(*random_batch(1)))
+    assert float(step.found_inf) == 0.0 and scaler.state_dict() == {**saved.state_dict(), "_growth_tracker": 4}
