@@ -590,3 +590,41 @@ def test_a_full_disk_under_the_logs_is_one_line_naming_the_file(capsys):
     err = capsys.readouterr().err
     assert err == ("warning: cannot write /dev/full: no space left on the device; the log goes on on the console "
                    "only\n"), err
+
+
+def device_flagged(a: float, b: float, grad_norm: float, skipped: bool, nonfinite: bool) -> StepResult:
+    """A step as ``train.cuda_graphs`` returns it: flags on the device, host flags False."""
+    return StepResult(torch.tensor([a + b, a, b]), NAMES, torch.tensor(grad_norm), False, False, False,
+                      skip_flag=torch.tensor(float(skipped)), nonfinite_flag=torch.tensor(float(nonfinite)))
+
+
+def test_device_flags_mean_what_the_host_flags_mean(tmp_path):
+    """A float16 overflow (skipped, not non-finite: finite losses, no finite norm) and a
+    NaN loss, flagged on the device, give the record the same steps give with host
+    flags: the overflow's losses count, its gradient norm does not, only the NaN is
+    counted."""
+    steps = [(1.0, 2.0, 4.0, False, False), (3.0, 4.0, float("inf"), True, False),
+             (float("nan"), 1.0, float("nan"), True, True)]
+    host = [StepResult(torch.tensor([a + b, a, b]), NAMES, torch.tensor(g), s, n, False) for a, b, g, s, n in steps]
+    records = []
+    for name, results in (("host", host), ("device", [device_flagged(*s) for s in steps])):
+        opt = torch.optim.SGD([{"params": [Params().w], "lr": 0.1, "name": "default"}])
+        hook = MetricsWriter(3, opt, EventWriters(jsonl=JSONLWriter(tmp_path / f"{name}.jsonl")), torch.device("cpu"))
+        state = LoopState(max_iter=3)
+        hook.before_train(state)
+        run_steps([hook], state, results)
+        records.append({k: v for k, v in read_jsonl(tmp_path / f"{name}.jsonl")[0].items()
+                        if k in ("total_loss", "loss_a", "loss_b", "grad_norm", "nonfinite_skipped")})
+    assert records[0] == records[1] == {"total_loss": 5.0, "loss_a": 2.0, "loss_b": 3.0, "grad_norm": 4.0,
+                                        "nonfinite_skipped": 1}
+
+
+def test_device_flagged_overflows_do_not_stop_training(tmp_path):
+    """``train.max_nonfinite_steps`` counts non-finite steps, not float16 overflows (the
+    scale's calibration skips several steps in a row at the start of a run)."""
+    model = Params()
+    ck = make_checkpointer(tmp_path, model)
+    state = LoopState(max_iter=10)
+    run_steps([NonFiniteGuard(2, ck)], state, [device_flagged(1.0, 1.0, float("inf"), True, False)] * 4)
+    with pytest.raises(NonFiniteLossError):
+        run_steps([NonFiniteGuard(2, ck)], state, [device_flagged(float("nan"), 1.0, 1.0, True, True)] * 2)

@@ -105,6 +105,8 @@ class GuardedStaticStep:
 
     Attributes:
         found_inf: 0-d float32 device tensor, 1.0 when the last step was skipped.
+        nonfinite_now: 0-d float32 device tensor, 1.0 when the last step counts as
+            non-finite (``found_inf``, except a float16 overflow: see ``nonfinite_steps``).
         nonfinite_steps: 0-d float32 device tensor, the steps skipped for a non-finite
             loss or gradient so far (with ``scaler``: for a non-finite loss; a gradient
             overflow is the scale's calibration, as in ``TrainStep``).
@@ -129,6 +131,7 @@ class GuardedStaticStep:
         self.found_inf = torch.zeros((), device=self.device)
         optimizer.found_inf = self.found_inf  # read by the fused SGD step, on the device
         self.nonfinite_steps = torch.zeros((), device=self.device)
+        self.nonfinite_now = torch.zeros((), device=self.device)
         self.nms_unconverged = nms_unconverged
         self.snapshot = BufferSnapshot(model)
         self.capture = capture
@@ -172,11 +175,12 @@ class GuardedStaticStep:
         self.optimizer.step()
         self.snapshot.restore_where(self.found_inf > 0)
         if self.scaler is None:
-            self.nonfinite_steps.add_(self.found_inf)
+            self.nonfinite_now.copy_(self.found_inf)
         else:  # a gradient overflow with a finite loss is the scale's calibration, not counted
             bad_loss = ~torch.isfinite(total)
-            self.nonfinite_steps.add_(bad_loss.float())
+            self.nonfinite_now.copy_(bad_loss.float())
             update_scale(self.scaler, self.found_inf, keep=bad_loss)
+        self.nonfinite_steps.add_(self.nonfinite_now)
         stat_values = (torch.stack([stats[k].float() for k in self.stat_names]) if self.stat_names
                        else torch.zeros(0, device=self.device))
         return torch.cat([total.detach().reshape(1), parts.detach()]), grad_norm.detach(), stat_values.detach()

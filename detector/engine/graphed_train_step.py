@@ -11,10 +11,11 @@ checkpoints take it as they take ``TrainStep``. Each call:
    the learning rates, which become 0-d device tensors);
 3. steps the LR scheduler, which fills those LR tensors in place, so the captured
    graph follows the schedule;
-4. returns a ``StepResult`` whose losses, gradient norm and ``skip_flag`` are fresh
-   device copies (a replay overwrites the graph's outputs): nothing is read back.
-   ``skipped`` and ``nonfinite`` are False; the hooks read ``skip_flag`` at logging
-   points (``MetricsWriter``, ``NonFiniteGuard``) or use it on the device (``EMAHook``).
+4. returns a ``StepResult`` whose losses, gradient norm, ``skip_flag`` and
+   ``nonfinite_flag`` are fresh device copies (a replay overwrites the graph's outputs):
+   nothing is read back. ``skipped`` and ``nonfinite`` are False; the hooks read the
+   flags at logging points (``MetricsWriter``, ``NonFiniteGuard``: ``nonfinite_flag``
+   counts, as ``nonfinite`` does) or use ``skip_flag`` on the device (``EMAHook``).
 
 ``check_graphed_config`` refuses, in one line naming the key, what the captured step
 cannot run.
@@ -103,4 +104,5 @@ class GraphedTrainStep:
         self.scheduler.step()
         return StepResult(losses.clone(), self.guarded.loss_names, grad_norm.clone(), skipped=False,
                           nonfinite=False, stop=bool(stop_requested), stats=stats.clone(),
-                          stat_names=self.guarded.stat_names, skip_flag=self.guarded.found_inf.clone())
+                          stat_names=self.guarded.stat_names, skip_flag=self.guarded.found_inf.clone(),
+                          nonfinite_flag=self.guarded.nonfinite_now.clone())

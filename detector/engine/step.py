@@ -73,8 +73,10 @@ class StepResult:
         stat_names: their names, sorted (empty when the forward returns none).
         skip_flag: None, or (the step of ``train.cuda_graphs``, which decides on the
             device and reads nothing back) a 0-d float32 device tensor, 1.0 when the
-            step was skipped as non-finite; ``skipped`` and ``nonfinite`` are then False
-            and the hooks read the flag at logging points.
+            step was skipped (``skipped``'s meaning); ``skipped`` and ``nonfinite`` are
+            then False and the hooks read the flags at logging points.
+        nonfinite_flag: with ``skip_flag``, 1.0 when the step counts as non-finite
+            (``nonfinite``'s meaning: a float16 overflow sets ``skip_flag`` only).
     """
 
     losses: Tensor
@@ -86,6 +88,7 @@ class StepResult:
     stats: Tensor = field(default_factory=lambda: torch.zeros(0))
     stat_names: Tuple[str, ...] = ()
     skip_flag: Optional[Tensor] = None
+    nonfinite_flag: Optional[Tensor] = None
 
 
 class TrainStep:

@@ -94,6 +94,7 @@ class MetricsWriter(HookBase):
         self._stats: List[torch.Tensor] = []
         self._stat_names: Tuple[str, ...] = ()
         self._flags: List[torch.Tensor] = []
+        self._nonfinite_flags: List[torch.Tensor] = []
         self._names: tuple = ()
         self._skipped = 0
         self._images = 0
@@ -117,6 +118,8 @@ class MetricsWriter(HookBase):
         flag = getattr(step, "skip_flag", None)
         if flag is not None:  # skips masked on the device at the logging point
             self._flags.append(flag)
+            nonfinite = getattr(step, "nonfinite_flag", None)
+            self._nonfinite_flags.append(flag if nonfinite is None else nonfinite)
             self._losses.append(step.losses)
             self._grad_norms.append(step.grad_norm)
             self._add_stats(step)
@@ -192,11 +195,14 @@ class MetricsWriter(HookBase):
             mean = torch.stack(self._losses).mean(0) if self._losses else nan.expand(n)
             grad_norm = torch.stack(self._grad_norms).mean().reshape(1) if self._grad_norms else nan
             return mean, grad_norm, torch.zeros(1, device=mean.device)
-        bad = torch.stack(self._flags) > 0  # [T]
-        kept = (~bad).float().sum()
-        mean = torch.where(bad[:, None], 0.0, torch.stack(self._losses)).sum(0) / kept
-        grad_norm = (torch.where(bad, 0.0, torch.stack(self._grad_norms)).sum() / kept).reshape(1)
-        return mean, grad_norm, bad.float().sum().reshape(1)
+        # As for host flags: a non-finite step's losses are left out and counted; a
+        # skipped step's gradient norm is left out (a float16 overflow is skipped but
+        # not non-finite: its finite losses count).
+        bad = torch.stack(self._nonfinite_flags) > 0  # [T]
+        skipped = torch.stack(self._flags) > 0  # [T]
+        mean = torch.where(bad[:, None], 0.0, torch.stack(self._losses)).sum(0) / (~bad).float().sum()
+        grad_norm = torch.where(skipped, 0.0, torch.stack(self._grad_norms)).sum() / (~skipped).float().sum()
+        return mean, grad_norm.reshape(1), bad.float().sum().reshape(1)
 
     def write(self, state: LoopState) -> Dict[str, Any]:
         """Reduce the window, write the record and start a new window; returns the record."""
