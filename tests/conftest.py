@@ -112,20 +112,31 @@ def signal_train_run(data_root: PathLike, output_dir: PathLike, sig: int, wait_s
 # --------------------------------------------------------------------------- processes of a launch
 
 
-def worker_pid(agent: int, rank: int) -> int:
-    """PID of the process with ``RANK=rank`` among the descendants of ``agent``. A thread
-    or process that ends while it is read (a loader worker, a gloo thread) is passed over."""
-    todo = [agent]
+def descendants(pid: int) -> List[int]:
+    """``pid``'s child processes, their children and so on (Linux ``/proc``), each before
+    its own children. A thread or process that ends while it is read is passed over."""
+    found, todo = [], [pid]
     while todo:
-        pid = todo.pop()
+        parent = todo.pop()
         try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            if pid != agent:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                        return pid
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with contextlib.suppress(FileNotFoundError), open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+                    found += kids
+                    todo += kids
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def worker_pid(agent: int, rank: int) -> int:
+    """PID of the process with ``RANK=rank`` among the descendants of ``agent`` (the
+    rank's own process comes before its loader workers, which inherit ``RANK``)."""
+    for pid in descendants(agent):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return pid
         except (FileNotFoundError, ProcessLookupError):
             continue
     raise AssertionError(f"no process with RANK={rank} under {agent}")

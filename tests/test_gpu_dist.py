@@ -17,7 +17,7 @@ import torch
 import syncbn_check as sc
 from detector.data.shapes import ensure_shapes
 
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, descendants  # noqa: E402
 TOL = 1e-10
 
 BACKENDS = [
@@ -114,22 +114,6 @@ def train_command(nproc: int, out: Path, data: Path, backend: str, *extra: str) 
     # and proposal counts, which this machine-less check cannot rerun.
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(ROOT / "tools" / "train.py"), "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), *overrides, *extra]
-
-
-def descendants(pid: int) -> list:
-    """``pid``'s child processes, their children and so on (Linux ``/proc``)."""
-    children: dict = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
-    return found
 
 
 def run(cmd: list, timeout_s: float = 60.0) -> str:
