@@ -110,8 +110,6 @@ def _skipped(result: Any) -> Any:
     """1 if ``result`` (ours's ``StepResult``) is a step skipped as non-finite, else 0:
     a device tensor for the CUDA-graph step (its ``nonfinite_flag``, read once at the end)."""
     flag = getattr(result, "nonfinite_flag", None)
-    if flag is None:
-        flag = getattr(result, "skip_flag", None)
     return flag if flag is not None else int(bool(getattr(result, "nonfinite", False)))
 
 

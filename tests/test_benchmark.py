@@ -19,6 +19,7 @@ from benchmarks.profiling import DENSE_OPS, kernel_summary, profile_train_step
 from benchmarks.memory import peak_memory_bytes, reset_peak_memory
 from benchmarks.tasks import _skipped, benchmark_eval
 from benchmarks.run import format_summary
+from detector.engine.step import StepResult
 from benchmarks.timing import Runner, run_interleaved, summarize_times
 from benchmarks.torchvision_ref import build_torchvision_model
 from conftest import TINY_CONFIG, load_tool, tiny_overrides
@@ -361,10 +362,15 @@ def test_a_runner_that_stops_leaves_the_rotation_and_says_why():
 
 def test_skipped_steps_are_counted_from_either_step_kind():
     """The eager step says it on the host (``nonfinite``), the CUDA-graph step on the
-    device (``skip_flag``, summed there and read once); torchvision's step returns a float."""
-    assert _skipped(SimpleNamespace(skip_flag=None, nonfinite=True)) == 1
-    assert _skipped(SimpleNamespace(skip_flag=None, nonfinite=False)) == 0
-    total = 0 + _skipped(SimpleNamespace(skip_flag=torch.tensor(1.0), nonfinite=False))
+    device (``nonfinite_flag``, which defaults to ``skip_flag``; summed there and read
+    once); torchvision's step returns a float."""
+    def result(nonfinite: bool, skip_flag=None) -> StepResult:
+        return StepResult(torch.zeros(1), ("total_loss",), torch.zeros(()), nonfinite, nonfinite, False,
+                          skip_flag=skip_flag)
+
+    assert _skipped(result(True)) == 1
+    assert _skipped(result(False)) == 0
+    total = 0 + _skipped(result(False, torch.tensor(1.0)))
     assert isinstance(total, torch.Tensor) and int(total + _skipped(0.5)) == 1
 
 

@@ -76,7 +76,8 @@ class StepResult:
             step was skipped (``skipped``'s meaning); ``skipped`` and ``nonfinite`` are
             then False and the hooks read the flags at logging points.
         nonfinite_flag: with ``skip_flag``, 1.0 when the step counts as non-finite
-            (``nonfinite``'s meaning: a float16 overflow sets ``skip_flag`` only).
+            (``nonfinite``'s meaning: a float16 overflow sets ``skip_flag`` only); left
+            None, it is ``skip_flag`` (every skip non-finite).
     """
 
     losses: Tensor
@@ -89,6 +90,10 @@ class StepResult:
     stat_names: Tuple[str, ...] = ()
     skip_flag: Optional[Tensor] = None
     nonfinite_flag: Optional[Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.nonfinite_flag is None:
+            self.nonfinite_flag = self.skip_flag
 
 
 class TrainStep:

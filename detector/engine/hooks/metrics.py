@@ -118,8 +118,7 @@ class MetricsWriter(HookBase):
         flag = getattr(step, "skip_flag", None)
         if flag is not None:  # skips masked on the device at the logging point
             self._flags.append(flag)
-            nonfinite = getattr(step, "nonfinite_flag", None)
-            self._nonfinite_flags.append(flag if nonfinite is None else nonfinite)
+            self._nonfinite_flags.append(step.nonfinite_flag)
             self._losses.append(step.losses)
             self._grad_norms.append(step.grad_norm)
             self._add_stats(step)

@@ -34,8 +34,8 @@ class NonFiniteGuard(HookBase):
     or a resumed one near ``solver.max_iter``), stops the same way at its last step:
     it trained nothing, and must not end as ``finished``.
 
-    A step that decides on the device (``train.cuda_graphs``: ``StepResult.nonfinite_flag``,
-    else ``skip_flag``) is counted on the device: the run of skipped steps in a row, and the iteration where
+    A step that decides on the device (``train.cuda_graphs``: ``StepResult.nonfinite_flag``)
+    is counted on the device: the run of skipped steps in a row, and the iteration where
     it first reached ``max_in_row``. Those are read every ``period`` iterations (the
     logging points, ``train.log_period``) and at the end, so the stop comes at the next
     logging point; the skipped steps in between changed nothing."""
@@ -54,8 +54,6 @@ class NonFiniteGuard(HookBase):
     def after_step(self, state: LoopState) -> None:
         step = state.step
         flag = getattr(step, "nonfinite_flag", None)  # (a float16 overflow is no non-finite step)
-        if flag is None:
-            flag = getattr(step, "skip_flag", None)
         if flag is not None:
             self._count_on_device(flag, state)
             return
