@@ -302,19 +302,19 @@ def figures(result: Dict) -> str:
     res = result.get("result") or {}
     busy = ", ".join(f"{k} busy {p['gpu_busy_ms']:.1f} ms" for k, p in (res.get("profile") or {}).items()
                      if "gpu_busy_ms" in p)
-    busy = f"; profiled: {busy}" if busy else ""
     reserve = res.get("runs", {}).get("ours", {}).get("reserved_growth_mib")
-    busy = (f"; ours reserve +{reserve:.0f} MiB" if reserve is not None else "") + busy
+    extra = ((f"; ours reserve +{reserve:.0f} MiB" if reserve is not None else "")
+             + (f"; profiled: {busy}" if busy else ""))
     if "ratio_pairwise_median" in res:
         ours = res.get("runs", {}).get("ours", {})
         theirs = res.get("runs", {}).get("torchvision", {})
         return (f"ours {ours.get('images_per_s', float('nan')):.1f} img/s, torchvision "
                 f"{theirs.get('images_per_s', float('nan')):.1f} img/s, x{res['ratio_pairwise_median']:.2f} (pairwise)"
-                + busy)
+                + extra)
     stopped = res.get("runs", {}).get("torchvision", {}).get("stopped")
     if stopped:
         ours = res["runs"].get("ours", {})
-        return f"ours {ours.get('images_per_s', float('nan')):.1f} img/s; torchvision stopped: {stopped}" + busy
+        return f"ours {ours.get('images_per_s', float('nan')):.1f} img/s; torchvision stopped: {stopped}" + extra
     loader = res.get("runs", {}).get("loader")
     if loader is not None:
         return f"loader {loader['images_per_s']:.1f} img/s ({loader['num_workers']} workers)"
