@@ -185,3 +185,30 @@ def test_group_norm_groups_are_checked_against_the_model(groups, fpn):
         with pytest.raises(ConfigError, match=rf"^config key 'model.gn_groups' \({groups}\) must divide"):
             load_config(TINY_CONFIG, [*keys, f"model.gn_groups={groups}"])
     assert builds == (groups in (32, 16, 128)), (groups, fpn)  # both outcomes are exercised
+
+
+def test_loads_share_no_state_and_report_the_first_bad_source(tmp_path):
+    """Every load merges into a copy of one schema node (built once per process): a load,
+    a failed one included, changes neither that node nor another load's result; with a bad
+    value in the file and an unknown key in an override, the file's error comes first, as
+    when each source was merged in turn."""
+    from omegaconf import OmegaConf
+
+    from detector.config import loading
+
+    before = OmegaConf.to_yaml(loading._schema())
+    a = load_config(TINY_CONFIG, ["solver.lr=0.5", "input.min_size_train=[64,72]"])
+    with pytest.raises(ConfigError):
+        load_config(TINY_CONFIG, ["solver.lr=fast"])
+    b = load_config(TINY_CONFIG)
+    assert OmegaConf.to_yaml(loading._schema()) == before
+    assert (a.solver.lr, b.solver.lr) == (0.5, load_config(TINY_CONFIG).solver.lr) and a.solver.lr != b.solver.lr
+    assert a.input.min_size_train == [64, 72] and b.input.min_size_train != [64, 72]
+    a.input.min_size_train.append(80)
+    assert load_config(TINY_CONFIG, ["input.min_size_train=[64,72]"]).input.min_size_train == [64, 72]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"base: {TINY_CONFIG}\nsolver:\n  max_iter: many\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}: bad value for config key 'solver.max_iter'"):
+        load_config(bad, ["solver.lrr=0.1"])
+    with pytest.raises(ConfigError, match=r"^override 'solver.max_iter=many': bad value .*'solver.max_iter'"):
+        load_config(TINY_CONFIG, ["solver.lr=0.1", "solver.max_iter=many", "solver.warmup_iters=x"])

@@ -10,13 +10,14 @@ while merging (``OmegaConf.structured`` of the schema is strict).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from detector.files import no_file_message, write_text
@@ -131,17 +132,41 @@ def _nest(key: str, value: Any) -> dict:
     return out
 
 
-def _merge(base: Any, data: dict, source: str) -> Any:
-    """OmegaConf's typed merge; a value of the wrong type or shape is a one-line ConfigError."""
-    schema = OmegaConf.get_type(base)
-    if dataclasses.is_dataclass(schema):
-        check_value_shapes(data, schema, source)
+@functools.lru_cache(maxsize=1)
+def _schema() -> DictConfig:
+    """The schema's defaults as an OmegaConf node, built once per process (about 60 ms):
+    every load merges into a copy of it (``OmegaConf.merge`` copies its first argument
+    and changes none)."""
+    return OmegaConf.structured(Config)
+
+
+def _checked_shapes(data: dict, source: str) -> dict:
+    """``data``, once its values have the schema's shapes (one-line ConfigError)."""
+    check_value_shapes(data, Config, source)
+    return data
+
+
+def _merge_all(sources: List[Tuple[dict, str]]) -> DictConfig:
+    """The schema merged with every source in order, in one ``OmegaConf.merge`` (one copy
+    of the schema instead of one per source); on a bad value, the source that has it is
+    named (:func:`_merge_one_by_one`)."""
     try:
-        return OmegaConf.merge(base, data)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        msg = first_line(exc)
-        raise ConfigError(f"{source}: bad value for config key '{key}': {msg}") from None
+        return OmegaConf.merge(_schema(), *(data for data, _ in sources))
+    except OmegaConfBaseException:
+        return _merge_one_by_one(sources)
+
+
+def _merge_one_by_one(sources: List[Tuple[dict, str]]) -> DictConfig:
+    """The schema merged with each source in turn: OmegaConf's typed merge; a value of the
+    wrong type or shape is a one-line ConfigError naming its source."""
+    cfg = _schema()
+    for data, source in sources:
+        try:
+            cfg = OmegaConf.merge(cfg, data)
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None) or "?"
+            raise ConfigError(f"{source}: bad value for config key '{key}': {first_line(exc)}") from None
+    return cfg
 
 
 def default_config() -> Config:
@@ -161,16 +186,22 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Optional[Li
         ConfigError: unknown key (with the nearest valid key), wrong type, bad YAML,
             a missing file, a ``base:`` cycle, or a value out of its range.
     """
-    cfg = OmegaConf.structured(Config)
-    if path is not None:
-        for data, source in _read_yaml(Path(path)):
-            check_keys(data, source)
-            cfg = _merge(cfg, _auto_to_none(data), source)
-    for item in overrides or []:
-        key, value = _parse_override(item)
-        nested = _nest(key, value)
-        check_keys(nested, "override")
-        cfg = _merge(cfg, _auto_to_none(nested), f"override '{item}'")
+    sources: List[Tuple[dict, str]] = []  # (mapping, where it comes from), in merge order
+    try:
+        if path is not None:
+            for data, source in _read_yaml(Path(path)):
+                check_keys(data, source)
+                sources.append((_checked_shapes(_auto_to_none(data), source), source))
+        for item in overrides or []:
+            key, value = _parse_override(item)
+            nested = _nest(key, value)
+            check_keys(nested, "override")
+            source = f"override '{item}'"
+            sources.append((_checked_shapes(_auto_to_none(nested), source), source))
+    except ConfigError:
+        _merge_one_by_one(sources)  # a bad value in an earlier source is reported first, as it comes first
+        raise
+    cfg = _merge_all(sources)
     try:
         out: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:  # e.g. an interpolation (${oc.env:VAR}, ${other.key}) that fails
@@ -217,7 +248,7 @@ def _literal(data: Any) -> Any:
 def config_from_dict(data: dict) -> Config:
     """Rebuild a Config from ``config_to_dict`` output, checking keys and types."""
     check_keys(data, "stored config")
-    cfg = _merge(OmegaConf.structured(Config), _auto_to_none(_literal(data)), "stored config")
+    cfg = _merge_one_by_one([(_checked_shapes(_auto_to_none(_literal(data)), "stored config"), "stored config")])
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
