@@ -246,3 +246,38 @@ def test_class_names_are_drawn_with_an_installed_font_that_has_their_characters(
     render(torch.zeros(3, 64, 64, dtype=torch.uint8), torch.tensor([[4.0, 4.0, 40.0, 40.0]]), [name],
            pred_classes=[1], class_names=[name])
     assert not [w for w in recwarn if "missing from font" in str(w.message)] and not caplog.records
+
+
+@pytest.mark.parametrize("num_classes", [11, 30])
+def test_small_multiples_texts_do_not_overlap(num_classes):
+    """The fixed layout of the PR panels: the figure's title, the panels' titles and the
+    tick labels shown (left column, and under each column's last panel) are all inside
+    the figure and overlap nothing but their own panel."""
+    import matplotlib.pyplot as plt
+
+    from detector.evaluation.plots import _small_multiples
+
+    rng = np.random.default_rng(1)
+    curves = {(f"class_{k}" if k % 3 else f"a_longer_class_name_{k}"): (np.sort(rng.random(9)), np.linspace(1, 0.1, 9),
+                                                                         float(rng.random())) for k in range(num_classes)}
+    fig = _small_multiples(curves, "Precision-recall per class", "VOC area AP")
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        boxes = [(-1, "suptitle", fig._suptitle.get_window_extent(renderer))]  # (panel, what, extent)
+        panels = [ax for ax in fig.axes if ax.axison]
+        assert len(panels) == len(curves)
+        for i, ax in enumerate(panels):
+            shown = [t for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_visible() and t.get_text()]
+            boxes += [(i, "title", ax.title.get_window_extent(renderer)), (i, "axes", ax.get_window_extent(renderer))]
+            boxes += [(i, f"tick {t.get_text()}", t.get_window_extent(renderer)) for t in shown]
+        for panel, what, box in boxes:
+            assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1), (panel, what)
+        shown_x = sum(1 for ax in panels for t in ax.get_xticklabels() if t.get_visible() and t.get_text())
+        assert shown_x == 3 * int(np.ceil(np.sqrt(len(curves))))  # 0, 0.5, 1 under each column
+        for a, (panel_a, what_a, box_a) in enumerate(boxes):
+            for panel_b, what_b, box_b in boxes[a + 1:]:
+                if panel_a != panel_b:
+                    assert not box_a.overlaps(box_b), ((panel_a, what_a), (panel_b, what_b))
+    finally:
+        plt.close(fig)
