@@ -22,11 +22,6 @@ import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bo
 
 from detector.cli import Terminated, run_tool, user_path  # noqa: E402
 from detector.config import load_config  # noqa: E402
-from detector import distributed  # noqa: E402
-from detector.engine.log import setup_logging  # noqa: E402
-from detector.engine.run_folder import (RunFolder, check_output_dir, check_overwrite_keeps_weights,  # noqa: E402
-                                        check_run_folder_apart_from_data)
-from detector.engine.trainer import train  # noqa: E402
 
 logger = logging.getLogger("detector.tools.train")
 
@@ -73,7 +68,16 @@ def interrupted_exit_status(signal_name: str | None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Train in the run folder (one process of a distributed launch); rank 0 prints the
-    final metrics. A collective that fails because a peer process died: one line naming it."""
+    final metrics. A collective that fails because a peer process died: one line naming it.
+
+    torch and the engine are imported here, after the arguments are parsed: ``--help`` and
+    a usage error answer in a fraction of a second instead of the imports' seconds."""
+    from detector import distributed
+    from detector.engine.log import setup_logging
+    from detector.engine.run_folder import (RunFolder, check_output_dir, check_overwrite_keeps_weights,
+                                            check_run_folder_apart_from_data)
+    from detector.engine.trainer import train
+
     overrides = list(args.overrides)
     if args.output_dir is not None:
         overrides.append(f"train.output_dir={args.output_dir}")
