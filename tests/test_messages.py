@@ -164,9 +164,11 @@ def test_run_tool_stops_on_sigterm_in_one_of_several_ranks_too(env, monkeypatch,
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_ctrl_c_while_a_tool_imports_is_one_line(tmp_path):
+@pytest.mark.parametrize("tool", ["summary", "train"])
+def test_ctrl_c_while_a_tool_imports_is_one_line(tmp_path, tool):
     """Ctrl-C in the seconds a tool imports torch and detector was a KeyboardInterrupt
-    traceback through the imports: now the tool's one line and status 130."""
+    traceback through the imports: now the tool's one line and status 130. (train.py
+    imports them after parsing its arguments, still before its work.)"""
     import signal
     import subprocess
     import sys
@@ -180,7 +182,9 @@ def test_ctrl_c_while_a_tool_imports_is_one_line(tmp_path):
                               (signal.SIGTERM, 143, "error: stopped by SIGTERM while starting; nothing was written")):
         # As a terminal starts it: a test run started in the background (`make test &`)
         # passes on an ignored SIGINT, which Python and the tool rightly leave ignored.
-        proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "summary.py"), "--config", "configs/tiny_cpu.yaml"],
+        extra = ["--output-dir", str(tmp_path / "run")] if tool == "train" else []
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / f"{tool}.py"), "--config", "configs/tiny_cpu.yaml",
+                                 *extra],
                                 cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         time.sleep(0.5)  # _bootstrap has run (first import); torch is still importing
