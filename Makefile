@@ -53,8 +53,11 @@ demo: $(STAMP)
 
 # On a GPU machine, in one 10-minute call: GPU tests, demos, static-check, train and inference
 # benchmarks against torchvision -> gpu-report.json (tools/gpu_check.py --list: the plan).
-# Without CUDA: one line, exit status 2.
+# Without CUDA: one line, exit status 2. The probe's line (--why-not) stops make through
+# $(error), so that make adds no "*** [gpu-check] Error 2" line of its own.
 gpu-check: $(STAMP)
+	$(eval NO_GPU := $(shell $(PY) tools/gpu_check.py --why-not))
+	$(if $(NO_GPU),$(error $(NO_GPU)))
 	@$(PY) tools/gpu_check.py
 
 # runs/ and caches; the environment stays (make distclean removes it too).

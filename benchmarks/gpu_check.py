@@ -376,7 +376,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     which.add_argument("--rest", action="store_true",
                        help="the runs that gpu-report.json records as skipped or cut at their limit; merged into it")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help=f"seconds for all runs (default {BUDGET_S})")
+    p.add_argument("--why-not", action="store_true",
+                   help="print why this machine cannot run the checks (nothing where it can) and exit 0: the probe "
+                        "of `make gpu-check`, which then stops with that one line")
     return p.parse_args(list(argv))
+
+
+NO_CUDA = "make gpu-check needs a CUDA GPU: torch.cuda.is_available() is False here; nothing was run"
 
 
 def _print_plan(runs: Sequence[Run], budget_s: float) -> None:
@@ -388,11 +394,16 @@ def _print_plan(runs: Sequence[Run], budget_s: float) -> None:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    """``--list``: the plan, 0; without CUDA: one line, 2; else the runs, ``gpu-report.json``,
+    """``--list``: the plan, 0; ``--why-not``: the line below where there is no CUDA, 0;
+    without CUDA: one line, 2; else the runs, ``gpu-report.json``,
     the table, and 0 if every run that ran passed (1 otherwise)."""
     args = parse_args(argv)
+    if args.why_not:
+        if not torch.cuda.is_available():
+            print(NO_CUDA)
+        return 0
     if not args.list and not torch.cuda.is_available():
-        print("make gpu-check needs a CUDA GPU: torch.cuda.is_available() is False here; nothing was run")
+        print(NO_CUDA)
         return 2
     path = ROOT / "gpu-report.json"
     earlier = _read_report(path) if args.only or args.rest else None

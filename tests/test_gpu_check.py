@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -27,6 +28,25 @@ def test_gpu_check_without_cuda_is_one_line_and_exit_2():
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert len(lines) == 1 and "CUDA" in lines[0]
 
+
+def _make_would_not_install() -> bool:
+    """``make`` is here, and this interpreter's environment is set up (its stamp newer than
+    pyproject.toml), so that ``make gpu-check VENV=<it>`` installs nothing first."""
+    stamp = os.path.join(sys.prefix, ".installed")
+    return (shutil.which("make") is not None and os.path.isfile(stamp)
+            and os.path.getmtime(stamp) >= os.path.getmtime(ROOT / "pyproject.toml"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: gpu-check would run the checks")
+@pytest.mark.skipif(not _make_would_not_install(), reason="no make, or this environment is not make's (make setup)")
+def test_make_gpu_check_without_cuda_is_one_line_and_exit_2():
+    # make reports a failing recipe with a line of its own ("make: *** [Makefile:N:
+    # gpu-check] Error 2"); the target stops with the probe's line alone.
+    out = subprocess.run(["make", "--no-print-directory", "gpu-check", f"VENV={sys.prefix}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0], lines
 
 def test_the_plan_runs_what_the_issue_lists():
     runs = {r.name: r for r in plan()}
