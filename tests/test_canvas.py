@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from detector.config import ConfigError, load_config
+from detector.data import build_dataset
+from detector.data.canvases import canvases_that_hold, check_canvases, largest_batches
+from detector.data.samplers import GroupedBatchSampler, TrainingSampler, aspect_ratio_group_ids
+from detector.data.transforms import resized_shape
 from detector.modeling import build_model
 from detector.modeling.faster_rcnn import batch_shape
 
-from conftest import ROOT
+from conftest import ROOT, TINY_CONFIG, load_tool, tiny_config, tiny_overrides
 
 # configs/tiny_cpu.yaml on purpose: CANVASES and the batch shapes asserted below are set
 # for its input sizes (min 128, max 224 px); tests/configs/tiny.yaml resizes to 64..96.
@@ -105,3 +110,71 @@ def test_training_on_a_canvas_gives_finite_losses_and_gradients():
     total.backward()
     assert torch.isfinite(total)
     assert all(torch.isfinite(p.grad).all() for p in canvas.parameters() if p.grad is not None)
+
+
+# --------------------------------------------------------------------------- do the batches fit? (data.canvases)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_largest_batches_bound_every_batch_the_loader_forms_and_are_reached(seed):
+    """Random image sizes and settings; batches formed by the loader's own sampler
+    (``GroupedBatchSampler`` over the aspect groups), each image resized at a random scale
+    of ``input.min_size_train`` (``transforms.resized_shape``), padded by the model's
+    ``batch_shape``: every batch fits ``canvases_that_hold``, and each largest shape is
+    the batch of its named images at the largest scale (so no smaller canvas holds it)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 40))
+    heights, widths = rng.integers(20, 2000, n), rng.integers(20, 2000, n)
+    per_gpu, grouping = int(rng.integers(1, 4)), bool(rng.integers(0, 2))
+    scales = sorted(rng.choice(np.arange(200, 900, 32), size=int(rng.integers(1, 4)), replace=False).tolist())
+    cfg = load_config(TINY, [f"solver.images_per_gpu={per_gpu}", f"data.aspect_ratio_grouping={grouping}",
+                             f"input.min_size_train={scales}", f"input.max_size_train={int(rng.integers(900, 1400))}"])
+    d, inp = cfg.model.size_divisibility, cfg.input
+    batches = largest_batches(heights, widths, cfg)
+    canvases = canvases_that_hold(batches)
+    groups = aspect_ratio_group_ids((widths / heights).tolist()) if grouping else [0] * n
+    sampler = GroupedBatchSampler(TrainingSampler(n, seed=seed), groups, per_gpu)
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        for keys in sampler:
+            sizes = [resized_shape(int(heights[k.index]), int(widths[k.index]), int(rng.choice(scales)),
+                                   inp.max_size_train) for k in keys]
+            h, w = batch_shape(sizes, d)
+            assert any(ch >= h and cw >= w for ch, cw in canvases), (sizes, canvases)
+    for _, h, w, images in batches:
+        reached = batch_shape([resized_shape(int(heights[i]), int(widths[i]), max(scales), inp.max_size_train)
+                               for i in images], d)
+        assert reached == (h, w)
+
+
+def test_lsj_batches_are_its_square():
+    cfg = load_config(TINY, ["input.lsj.enabled=true", "input.lsj.size=200"])
+    batches = largest_batches(np.array([30, 900, 500]), np.array([700, 40, 500]), cfg)
+    assert canvases_that_hold(batches) == [[224, 224]]
+
+
+def test_a_static_run_whose_batches_fit_no_canvas_stops_before_the_model_is_built(tiny_data, tmp_path, capsys):
+    """The tiny data's images are 64..96 px, both portrait and landscape: a landscape canvas
+    alone cannot hold a portrait batch. The run stops with one line naming the key, an
+    image and the canvases that fit; with those canvases the check passes."""
+    train_tool = load_tool("train")
+    out = tmp_path / "run"
+    status = train_tool.main(["--config", str(TINY_CONFIG), *tiny_overrides(tiny_data, out),
+                              "train.static_step=true", "model.canvas_sizes=[[64,96]]"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 1 and len(err) == 1, err
+    line = err[0]
+    assert line.startswith("error: model.canvas_sizes [[64, 96]] has no canvas for a batch of 2 images (portrait)")
+    assert str(tiny_data / "train") in line and "the static step would stop" in line
+    suggested = line.rsplit("model.canvas_sizes=", 1)[1]
+    assert suggested == "[[64, 96], [96, 64]]"
+    assert not (out / "checkpoints").exists() and not (out / "summary.txt").exists()
+    cfg = tiny_config(tiny_data, out, "train.static_step=true", f"model.canvas_sizes={suggested}")
+    check_canvases(cfg, build_dataset(cfg, "train", True))  # no error
+
+
+def test_compile_backbone_with_canvases_that_miss_a_batch_warns(tiny_data, tmp_path, caplog):
+    cfg = tiny_config(tiny_data, tmp_path, "train.compile_backbone=true", "model.canvas_sizes=[[64,96]]")
+    with caplog.at_level("WARNING", logger="detector.data.canvases"):
+        check_canvases(cfg, build_dataset(cfg, "train", True))
+    assert "compiles the backbone again" in caplog.text and "model.canvas_sizes=[[64, 96], [96, 64]]" in caplog.text

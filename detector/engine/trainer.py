@@ -39,6 +39,7 @@ from torch import nn
 from detector.config import Config, config_to_yaml, save_config
 from detector.data import (DataError, build_dataset, check_data_paths, check_val_classes, first_other_label,
                            resolve_class_names, resolve_num_classes)
+from detector.data.canvases import check_canvases
 from detector.data.loader import build_train_loader
 from detector.distributed import DistInfo, all_gather_object, init_distributed, seed_everything
 from detector.engine.amp import AmpSettings, resolve_amp
@@ -130,6 +131,7 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     check_batch_memory(cfg, dist.device, dist.local_world_size if dist.device.type == "cpu" else 1)
     cfg, train_set, val_set = _training_data(cfg)
     _check_one_training_set(train_set, dist)
+    check_canvases(cfg, train_set)  # the static step: every batch the loader can form fits a canvas
     loader = build_train_loader(cfg, train_set, dist.rank, dist.world_size)
     cfg = resolve_epoch_schedule(cfg, len(loader))  # before the scheduler, config.yaml and checkpoints
     model = _initial_model(cfg, output_dir, is_main, list(train_set.class_names))
