@@ -23,7 +23,8 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
   device's kernels, then two candidates for the 8-image goal: NHWC activations, and
   canvases that fit 800x1066 images), the proposal NMS alone
   (``--task nms``: torchvision's per-image ``batched_nms`` against ``static_nms``'s kernel
-  and its blocked resolution), inference with ``eval.amp`` (profiled), the static step,
+  and its blocked resolution), inference with ``eval.amp`` (profiled), the static step (and its
+  operators per step against torchvision's, ``--count-ops``),
   eager float16 (profiled: it was 1.8x slower than bfloat16) and the CUDA-graph step in
   float16 (its loss scale on the device), two candidates for the
   inference goal (NHWC; the backbone compiled at canvases), then the recipe's training loader alone (``--task data``: decode, multi-scale
@@ -102,16 +103,19 @@ class Run:
 
 
 def _bench(name: str, task: str, limit_s: int, *overrides: str, iters: int = 20, warmup: int = 5,
-           profile: bool = False) -> Run:
+           profile: bool = False, count_ops: bool = False) -> Run:
     """``tools/benchmark.py --task train|infer --compare-torchvision`` on R50-FPN 1x, from
     random weights (offline); synthetic training images at the recipe's largest scale.
     ``profile``: then ``--profile`` (one step of each model under torch.profiler: the
-    device's busy time and its longest kernels)."""
+    device's busy time and its longest kernels); ``count_ops``: then ``--count-ops``
+    (aten operators and host syncs per step, ours and torchvision's: the issue's goal of
+    at most 0.3x torchvision's operators for the compiled static step)."""
     sizes = ("input.min_size_train=[800]",) if task == "train" else ()
     overrides = ("train.device=cuda", "model.backbone_weights=", *sizes, *overrides)
     json_file = f"{OUT}/{name}.json"
     args = ("--config", R50, "--task", task, "--compare-torchvision", "--synthetic", "--no-loader",
             "--iters", str(iters), "--warmup", str(warmup), *(("--profile",) if profile else ()),
+            *(("--count-ops",) if count_ops else ()),
             "--json", json_file, *overrides)
     return Run(name, "benchmark", args, limit_s, R50, overrides, json_file)
 
@@ -191,7 +195,7 @@ def plan() -> List[Run]:
         eight_43,
         _nms("nms-r50", 60),
         _bench("infer-r50-eval-amp", "infer", 90, "eval.amp=true", iters=10, warmup=3, profile=True),
-        _bench("train-r50-static-bf16-2img", "train", 120, *STATIC, CANVAS_R50, *BF16, two),
+        _bench("train-r50-static-bf16-2img", "train", 180, *STATIC, CANVAS_R50, *BF16, two, count_ops=True),
         _bench("train-r50-eager-fp16-2img", "train", 90, *FP16, two, iters=10, warmup=3, profile=True),
         graphs_fp16,
         # Two candidates for the inference goal: NHWC activations, and the backbone and FPN
@@ -303,8 +307,11 @@ def figures(result: Dict) -> str:
     busy = ", ".join(f"{k} busy {p['gpu_busy_ms']:.1f} ms" for k, p in (res.get("profile") or {}).items()
                      if "gpu_busy_ms" in p)
     reserve = res.get("runs", {}).get("ours", {}).get("reserved_growth_mib")
+    ops = res.get("ops_per_step") or {}
+    counted = (f"; aten ops/step ours {ops['ours']}, torchvision {ops['torchvision']} "
+               f"(x{ops['ours'] / max(ops['torchvision'], 1):.2f})" if "ours" in ops and "torchvision" in ops else "")
     extra = ((f"; ours reserve +{reserve:.0f} MiB" if reserve is not None else "")
-             + (f"; profiled: {busy}" if busy else ""))
+             + (f"; profiled: {busy}" if busy else "") + counted)
     if "ratio_pairwise_median" in res:
         ours = res.get("runs", {}).get("ours", {})
         theirs = res.get("runs", {}).get("torchvision", {})

@@ -206,6 +206,17 @@ def test_the_table_shows_ours_when_torchvision_stopped():
     assert gpu_check.figures({"result": res}) == "ours 40.0 img/s; torchvision stopped: FloatingPointError ..."
 
 
+def test_the_table_shows_the_operator_counts_of_the_static_step():
+    """The issue's goal of at most 0.3x torchvision's operators per step is measured on the
+    GPU by the static step's run (--count-ops), and its table line shows the ratio."""
+    static = next(r for r in plan() if r.name == "train-r50-static-bf16-2img")
+    assert "--count-ops" in static.argv()
+    res = {"ratio_pairwise_median": 1.5, "runs": {"ours": {"images_per_s": 60.0}, "torchvision": {"images_per_s": 40.0}},
+           "ops_per_step": {"ours": 2100, "torchvision": 7000}}
+    assert gpu_check.figures({"result": res}) == ("ours 60.0 img/s, torchvision 40.0 img/s, x1.50 (pairwise); "
+                                                  "aten ops/step ours 2100, torchvision 7000 (x0.30)")
+
+
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
 def test_pytest_failures_are_written_as_they_happen(tmp_path, workers):
     """gpu-check's pytest run sets PYTEST_FAILURE_LOG: each failure, once, with its reason
