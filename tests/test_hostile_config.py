@@ -300,6 +300,37 @@ def test_overrides_after_resume_are_accepted(train_tool, argv, resume, overrides
     assert args.resume == resume and args.overrides == overrides
 
 
+# Each tool that takes key=value overrides, with its required options and one more
+# option that the overrides go around: (tool, argv before, option, its parsed attribute
+# and value).
+TOOLS_WITH_OVERRIDES = [
+    ("eval", ["--config", "c.yaml", "--weights", "w.pth"], ["--output-dir", "o"], ("output_dir", "o")),
+    ("infer", ["--config", "c.yaml", "--weights", "w.pth", "--input", "i.jpg"], ["--output-dir", "o"],
+     ("output_dir", "o")),
+    ("export", ["--config", "c.yaml", "--weights", "w.pth", "--format", "onnx"], ["--output", "m.onnx"],
+     ("output", "m.onnx")),
+    ("summary", ["--config", "c.yaml"], ["--image-size", "64", "96"], ("image_size", [64, 96])),
+    ("check_dataset", ["--config", "c.yaml"], ["--split", "val"], ("split", "val")),
+    ("browse_dataset", ["--config", "c.yaml", "--output-dir", "o"], ["--num", "3"], ("num", 3)),
+    ("benchmark", ["--config", "c.yaml", "--task", "train"], ["--iters", "2"], ("iters", 2)),
+    ("canvas_sizes", ["--config", "c.yaml"], ["--max-canvases", "2"], ("max_canvases", 2)),
+    ("train", ["--config", "c.yaml"], ["--output-dir", "o"], ("output_dir", "o")),
+]
+
+
+@pytest.mark.parametrize("tool,required,option,parsed", TOOLS_WITH_OVERRIDES, ids=[t[0] for t in TOOLS_WITH_OVERRIDES])
+def test_every_tool_takes_overrides_before_between_and_after_its_options(tool, required, option, parsed):
+    """``tools/X.py --config C a=1 --opt v b=2``: both overrides, in order (was: ``error:
+    unrecognized arguments: b=2`` from every tool but train.py)."""
+    parse_args = load_tool(tool).parse_args
+    for argv in ([*required, "solver.lr=0.1", *option, "solver.lr=0.2"],
+                 ["solver.lr=0.1", *required, *option, "solver.lr=0.2"],
+                 [*required, *option, "solver.lr=0.1", "solver.lr=0.2"]):
+        args = parse_args(argv)
+        assert args.overrides == ["solver.lr=0.1", "solver.lr=0.2"], argv
+        assert getattr(args, parsed[0]) == parsed[1], argv
+
+
 @pytest.mark.parametrize("overrides,expected", [
     (["solver.steps=[80,60]"], "config key 'solver.steps' takes values in order (each at least the one before), got [80, 60] (60 after 80)"),
     (["solver.max_iter=0", "solver.max_epochs=12", "solver.steps_epochs=[8,11,9]"],

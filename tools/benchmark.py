@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "shared through a memory-mapped record file (data.cache_dir); default 0: not run")
     p.add_argument("--json", type=output_file, dest="json_out", help="write the full result here")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the options
     if args.config is None:
         if args.task != "time-to-accuracy":
             p.error("--config is required")

@@ -30,7 +30,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--grid", action="store_true", help="one grid.png instead of one file per sample")
     p.add_argument("--epoch", type=int, default=0, help="the epoch whose samples to draw (default 0)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # key=value overrides before, between or after the options
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -35,7 +35,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="the most canvases to suggest (default 4; fewer where one more cuts no padding)")
     p.add_argument("--batches", type=positive, default=20000, help="batches drawn to measure padding (default 20000)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides before or after the options
 
 
 def main(argv: Optional[List[str]] = None) -> int:

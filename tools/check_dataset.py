@@ -25,7 +25,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="which of data.train / data.val to check (default: train; with data.train_extra: each set)")
     parser.add_argument("--no-decode", action="store_true", help="only check that image files exist")
     parser.add_argument("overrides", nargs="*", help="config overrides key=value")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # key=value overrides before, between or after the options
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

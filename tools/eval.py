@@ -58,7 +58,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="with --analysis: the images' folder, to draw the worst images on them "
                    "(default: a grey canvas in file mode, data.val.root for COCO data in model mode)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.backend=faster")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the options
     model_mode = bool(args.config or args.weights)
     file_mode = bool(args.predictions or args.annotations or args.voc_root)
     if model_mode and file_mode:

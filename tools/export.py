@@ -79,7 +79,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--time", type=int, default=0, metavar="N",
                    help="then time N runs of the eager model and of the file on the first test image (CPU)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the options
     if args.image_size and not all(1 <= side <= MAX_IMAGE_SIDE for side in args.image_size):
         p.error(f"--image-size takes two sides in 1..{MAX_IMAGE_SIDE} pixels (as the input.* sizes), got "
                 f"{args.image_size[0]} {args.image_size[1]}")

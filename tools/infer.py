@@ -37,7 +37,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="where to write annotated images and detections.json")
     p.add_argument("--score-thresh", type=float, default=0.5, help="draw detections with score >= this (default 0.5)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the options
     if not 0.0 <= args.score_thresh <= 1.0:  # NaN too: scores are probabilities
         p.error(f"--score-thresh must be in [0, 1], got {args.score_thresh} (above 1 or NaN would draw nothing)")
     return args

@@ -39,7 +39,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="image size for the FLOPs (default: input.min_size_test x input.max_size_test)")
     p.add_argument("--json", type=output_file, help="also write the summary to this JSON file")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides before, between or after the options
     if args.image_size and not all(1 <= side <= MAX_IMAGE_SIDE for side in args.image_size):
         p.error(f"--image-size takes two sides in 1..{MAX_IMAGE_SIDE} pixels (as the input.* sizes), got "
                 f"{args.image_size[0]} {args.image_size[1]}")
