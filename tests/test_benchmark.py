@@ -330,6 +330,14 @@ def test_an_empty_generated_eval_case_is_a_usage_error(args, capsys):
     assert info.value.code == 2 and "--eval-images and --eval-boxes must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_no_cached_batches_is_a_usage_error(value, capsys):
+    """--num-batches 0 said 'the data loader gave no batches (is the split empty?)'."""
+    with pytest.raises(SystemExit) as info:
+        load_tool("benchmark").parse_args(["--config", str(TINY), "--task", "train", "--num-batches", value])
+    assert info.value.code == 2 and f"--num-batches must be >= 1, got {value}" in capsys.readouterr().err
+
+
 def test_a_runner_that_stops_leaves_the_rotation_and_says_why():
     """torchvision's reference loop stops at a non-finite loss (the first float16 run on
     a GPU): its runner leaves, ours is still timed, and the summary names the reason."""
