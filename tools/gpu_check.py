@@ -11,7 +11,7 @@ import sys
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
 try:
-    from benchmarks.gpu_check import main  # noqa: E402
+    from benchmarks.gpu_check import main, parse_args  # noqa: E402, F401  (parse_args: for tests/test_docs_commands.py)
 except ModuleNotFoundError as exc:  # a GPU machine without network may lack what `make setup` installs
     sys.exit(f"gpu-check: the Python package '{exc.name}' is missing here: pip install it (offline: carry its "
              "wheel, see docs/performance.md, 'On a GPU')")
