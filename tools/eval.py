@@ -24,16 +24,11 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-from detector.cli import Terminated, run_tool, user_path  # noqa: E402
-from detector.config import load_config  # noqa: E402
-from detector.files import check_writes_apart, output_folder  # noqa: E402
-
-logger = logging.getLogger("detector.tools.eval")
+from detector.cli import run_tool, user_path  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -82,124 +77,25 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def check_outputs_apart(args: argparse.Namespace, written: Sequence[str]) -> None:
-    """Refuse an --output-dir whose files this run rewrites (``written``, and the error
-    analysis's under ``analysis/``) where one of them is an input: re-scoring an earlier
-    evaluation's ``detections.json`` into its own folder replaced the file being scored."""
-    if not args.output_dir:
-        return
-    from detector.evaluation.analysis import ANALYSIS_FILES
-
-    names = [*written, *(f"analysis/{n}" for n in ANALYSIS_FILES if args.analysis)]
-    check_writes_apart({f"--output-dir's {name}": Path(args.output_dir) / name for name in names},
-                       {"--predictions": args.predictions, "--annotations": args.annotations,
-                        "--weights": args.weights, "--config": args.config})
-
-
-def score_file(args: argparse.Namespace) -> int:
-    """File mode: score a results file against COCO JSON or VOC XML ground truth."""
-    from detector.evaluation import (
-        OUTPUT_FILES,
-        format_table,
-        load_ground_truth,
-        load_predictions,
-        score_detections,
-        write_outputs,
-    )
-
-    check_outputs_apart(args, OUTPUT_FILES)
-    cfg = load_config(None, args.overrides)
-    if args.voc_root:
-        from detector.data import VOCDetection
-
-        gt = VOCDetection(args.voc_root, args.voc_split, class_names=cfg.data.class_names or None).coco_gt()
-    else:
-        gt = load_ground_truth(args.annotations)
-    results = load_predictions(args.predictions, gt)
-    report = score_detections(
-        gt,
-        results,
-        backend=cfg.eval.backend,
-        voc_iou_thresh=cfg.eval.voc_iou_thresh,
-        score_thresh=cfg.eval.score_thresh,
-        voc07_thresholds=cfg.eval.voc07_thresholds,
-        source=args.annotations or args.voc_root,
-    )
-    print(format_table(report.metrics, report.per_class))
-    if args.output_dir:
-        write_outputs(report, results, args.output_dir)
-        print(f"results written to {args.output_dir}")
-    if args.analysis:
-        analyse(args, gt, results, cfg.eval.score_thresh, args.image_dir)
-    return 0
-
-
-def analyse(args: argparse.Namespace, gt, results, score_thresh: float, image_dir: Optional[str]) -> None:
-    """``--analysis``: the error breakdown printed, and written under --output-dir/analysis."""
-    from detector.evaluation.analysis import format_analysis, run_analysis
-
-    out = Path(args.output_dir) / "analysis" if args.output_dir else None
-    print(format_analysis(run_analysis(gt, results, out, score_thresh, args.analysis_images, image_dir)))
-    if out is not None:
-        print(f"error analysis written to {out}")
-
-
-def run_model(args: argparse.Namespace) -> int:
-    """Model mode: build the model and the val set, run ``detector.evaluation.evaluate``."""
-    from detector.data import build_dataset, cache_in, resolve_num_classes
-    from detector.distributed import cleanup, init_distributed, report_lost_rank
-    from detector.engine.log import setup_logging
-    from detector.evaluation import OUTPUT_FILES, evaluate, load_trained_weights
-    from detector.modeling import build_model
-
-    check_outputs_apart(args, [*OUTPUT_FILES, "log.txt"])
-    cfg = load_config(args.config, args.overrides)
-    if args.output_dir:
-        output_folder(args.output_dir, "--output-dir")  # a file or a read-only folder: one line, before any work
-    info = init_distributed(cfg.train.device, backend=cfg.train.dist_backend, timeout_s=cfg.train.dist_timeout_s)
-    if args.output_dir:  # several ranks share the parsed records there, not in the config's run folder
-        cfg = cache_in(cfg, args.output_dir)
-    try:
-        setup_logging(args.output_dir, rank=info.rank)
-        dataset = build_dataset(cfg, "val", is_train=False)
-        if cfg.model.num_classes is None:  # auto: the run's config.yaml holds the number; else the data's
-            cfg = resolve_num_classes(cfg, dataset, split="val")
-        model = build_model(cfg)
-        load_trained_weights(model, cfg, args.weights, dataset.class_names)
-        model.to(info.device)
-        evaluate(model, dataset, cfg, output_dir=args.output_dir)
-        if info.rank == 0 and args.output_dir:
-            print(f"results written to {args.output_dir}")
-        if info.rank == 0 and args.analysis:
-            analyse_model_run(args, cfg, dataset)
-    except (RuntimeError, Terminated) as exc:
-        # Another rank ended (a collective failed, or torchrun's SIGTERM came after it), or
-        # did not answer within train.dist_timeout_s: one line naming it, as tools/train.py
-        # does. Anything else goes on up.
-        status = report_lost_rank(exc, info, advice="run the evaluation again")  # (no --resume here)
-        if status is None:
-            raise
-        return status
-    finally:
-        cleanup()
-    return 0
-
-
-def analyse_model_run(args: argparse.Namespace, cfg, dataset) -> None:
-    """``--analysis`` in model mode: the detections evaluate() wrote, against the val set."""
-    from detector.evaluation import load_predictions
-
-    gt = dataset.coco_gt()
-    results = load_predictions(Path(args.output_dir) / "detections.json", gt)
-    image_dir = args.image_dir or (cfg.data.val.root if cfg.data.format == "coco" else None)
-    analyse(args, gt, results, cfg.eval.score_thresh, image_dir)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    analysis = None
+    if args.analysis:
+        # (the library's names: imported after parsing, so that --help answers without torch)
+        from detector.evaluation.command import AnalysisRequest
+
+        analysis = AnalysisRequest(args.analysis_images, args.image_dir)
     if args.predictions:
+        from detector.evaluation.command import score_command
+
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    return run_tool(lambda: score_file(args) if args.predictions else run_model(args))
+        return run_tool(lambda: score_command(args.predictions, args.overrides, annotations=args.annotations,
+                                              voc_root=args.voc_root, voc_split=args.voc_split,
+                                              output_dir=args.output_dir, analysis=analysis))
+    from detector.engine.launch import evaluate_command
+
+    return run_tool(lambda: evaluate_command(args.config, args.weights, args.overrides, output_dir=args.output_dir,
+                                             analysis=analysis))
 
 
 if __name__ == "__main__":
