@@ -27,10 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -40,6 +36,7 @@ from detector.data.files import DataError, load_image  # noqa: E402
 from detector.messages import first_line  # noqa: E402
 
 from .iou import EvalImage, greedy_match, group_by_image  # noqa: E402
+from .mpl import pyplot  # noqa: E402
 from .plots import render  # noqa: E402
 from .report import write_json  # noqa: E402
 
@@ -171,6 +168,7 @@ def plot_error_breakdown(analysis: ErrorAnalysis, path: str | Path, title: str =
     path = Path(path)
     values = [analysis.counts[k] for k in ERROR_TYPES]
     total = max(1, sum(values))
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.0, 3.2), dpi=80)
     colors = ["#4477aa", "#66ccee", "#228833", "#ccbb44", "#ee6677", "#aa3377"]
     ax.barh(range(len(values)), values, color=colors)

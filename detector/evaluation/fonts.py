@@ -16,9 +16,9 @@ import unicodedata
 import warnings
 from typing import FrozenSet, Iterable, Iterator, NamedTuple, Optional, Tuple
 
-from matplotlib import font_manager, ft2font
-import matplotlib.pyplot as plt
 from PIL import ImageFont
+
+from .mpl import font_manager, ft2font, pyplot
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class TextFont(NamedTuple):
 def _code_points(path: str) -> FrozenSet[int]:
     """The characters the font file ``path`` draws (its character map)."""
     try:
-        return frozenset(ft2font.FT2Font(path).get_charmap())
+        return frozenset(ft2font().FT2Font(path).get_charmap())
     except (OSError, RuntimeError, ValueError):  # a font file FreeType cannot read
         return frozenset()
 
@@ -49,7 +49,7 @@ def _code_points(path: str) -> FrozenSet[int]:
 def _installed_fonts() -> Tuple[Tuple[str, str], ...]:
     """``(name, path)`` of the regular faces (upright, normal weight and width) of the
     fonts matplotlib knows, DejaVu Sans first: the faces names are drawn in."""
-    fonts = [(f.name, f.fname) for f in font_manager.fontManager.ttflist
+    fonts = [(f.name, f.fname) for f in font_manager().fontManager.ttflist
              if not f.name.startswith(PLACEHOLDER_FONTS) and f.style == "normal" and f.stretch == "normal"
              and f.weight in (400, "normal", "regular")]
     return tuple(sorted(set(fonts), key=lambda f: (f[0] != DEFAULT_FONT, f[0], f[1])))
@@ -95,7 +95,7 @@ def plot_font(texts: Iterable[str]) -> Iterator[TextFont]:
     draws instead of matplotlib's warning per character and figure."""
     font = text_font(texts)
     chosen = {"font.family": [font.name, DEFAULT_FONT]} if font.name else {}  # else the user's matplotlibrc
-    with plt.rc_context(chosen), warnings.catch_warnings():
+    with pyplot().rc_context(chosen), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
         yield font
 
@@ -107,5 +107,5 @@ def image_font(texts: Iterable[str], size: int) -> ImageFont.FreeTypeFont | Imag
     if all(t.isascii() for t in texts):
         return ImageFont.load_default(size=size)
     font = text_font(texts)
-    path = font.path or font_manager.findfont(font_manager.FontProperties(family=DEFAULT_FONT))
+    path = font.path or font_manager().findfont(font_manager().FontProperties(family=DEFAULT_FONT))
     return ImageFont.truetype(path, size)

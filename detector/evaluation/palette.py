@@ -14,8 +14,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import List, Sequence, Tuple
 
-import matplotlib
 import numpy as np
+
+from .mpl import colormaps
 
 Color = Tuple[int, int, int]
 Rect = Tuple[int, int, int, int]  # x1, y1, x2, y2 (end exclusive), pixels
@@ -24,7 +25,7 @@ Rect = Tuple[int, int, int, int]  # x1, y1, x2, y2 (end exclusive), pixels
 @lru_cache(maxsize=1)
 def palette() -> Tuple[Color, ...]:
     """The class colours, in label order (label k has ``palette()[(k - 1) % len]``)."""
-    chosen = [np.array(matplotlib.colormaps["tab10"](i)[:3]) * 255 for i in range(10)]
+    chosen = [np.array(colormaps()["tab10"](i)[:3]) * 255 for i in range(10)]
     levels = np.arange(0, 256, 51, dtype=np.float64)
     grid = np.stack(np.meshgrid(levels, levels, levels, indexing="ij"), -1).reshape(-1, 3)
     luminance = grid @ np.array([0.299, 0.587, 0.114])

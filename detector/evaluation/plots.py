@@ -23,15 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image, ImageDraw  # noqa: E402
 
 from .fonts import image_font, plot_font  # noqa: E402
+from .mpl import pyplot  # noqa: E402
 from .palette import class_color, place_caption, text_color  # noqa: E402
 from detector.files import atomic_write  # noqa: E402
 
@@ -51,7 +48,7 @@ def _save_png(fig: Any, path: str | Path) -> Path:
     try:
         return atomic_write(path, lambda f: fig.savefig(f, format="png"))
     finally:
-        plt.close(fig)
+        pyplot().close(fig)
 
 
 def plot_pr_curves(
@@ -80,6 +77,7 @@ def plot_pr_curves(
 
 def _one_plot(curves: Dict[str, Tuple[np.ndarray, np.ndarray, float]], title: str, ap_kind: str):
     """One axes, one line per class, the legend beside it."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 6), dpi=100)
     cmap = plt.get_cmap("tab10")
     drawn = 0
@@ -115,7 +113,7 @@ def _small_multiples(curves: Dict[str, Tuple[np.ndarray, np.ndarray, float]], ti
     cols = int(np.ceil(np.sqrt(len(order))))
     rows = int(np.ceil(len(order) / cols))
     width, height = PANEL_W * cols, PANEL_H * rows + 0.6
-    fig, axes = plt.subplots(rows, cols, figsize=(width, height), dpi=100, squeeze=False)
+    fig, axes = pyplot().subplots(rows, cols, figsize=(width, height), dpi=100, squeeze=False)
     axes_w = (width - LEFT - RIGHT - (cols - 1) * GAP_W) / cols
     axes_h = (height - BOTTOM - TOP - (rows - 1) * GAP_H) / rows
     fig.subplots_adjust(left=LEFT / width, right=1 - RIGHT / width, bottom=BOTTOM / height, top=1 - TOP / height,
@@ -161,7 +159,7 @@ def plot_confusion_matrix(
 def _confusion_figure(matrix: np.ndarray, norm: np.ndarray, names: Sequence[str], title: str) -> Any:
     """The figure of :func:`plot_confusion_matrix`: ``norm`` in colour, ``matrix``'s counts in cells."""
     size = max(5.0, 0.45 * len(names) + 2.5)
-    fig, ax = plt.subplots(figsize=(size, size * 0.85), dpi=100)
+    fig, ax = pyplot().subplots(figsize=(size, size * 0.85), dpi=100)
     im = ax.imshow(norm, cmap="Blues", vmin=0.0, vmax=1.0)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="fraction of the row")
     ax.set_xticks(range(len(names)))
