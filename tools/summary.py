@@ -16,20 +16,13 @@ gflops, checkpoint_bytes and the same per module.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import List, Optional
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-import torch  # noqa: E402
-
 from detector.cli import output_file, run_tool, user_path  # noqa: E402
-from detector.config import load_config  # noqa: E402
 from detector.config.schema import MAX_IMAGE_SIDE  # noqa: E402
-from detector.files import check_writes_apart, write_text  # noqa: E402
-from detector.modeling import build_model  # noqa: E402
-from detector.modeling.summary import default_image_size, format_summary, model_summary  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -48,22 +41,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    return run_tool(lambda: summarize(args))
+    # After parsing (--help and usage errors without torch's 6 s of imports), before
+    # run_tool (a signal meanwhile gets _bootstrap's one line).
+    from detector.modeling.summary import summary_command
 
-
-def summarize(args: argparse.Namespace) -> int:
-    """Print the summary; write it to --json if given."""
-    if args.json:
-        check_writes_apart({"--json": args.json}, {"--config": args.config})
-    cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
-    size = tuple(args.image_size) if args.image_size else default_image_size(cfg)
-    torch.manual_seed(0)  # random init: the RPN's proposal count (the RoI heads' FLOPs) repeats
-    summary = model_summary(build_model(cfg), size)
-    print(format_summary(summary))
-    if args.json:
-        write_text(args.json, json.dumps(summary.to_dict(), indent=2) + "\n")
-        print(f"summary written to {args.json}")
-    return 0
+    return run_tool(lambda: summary_command(args.config, args.overrides, args.image_size, args.json))
 
 
 if __name__ == "__main__":

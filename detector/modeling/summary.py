@@ -24,15 +24,16 @@ import io
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision.ops import FrozenBatchNorm2d
 
-from ..config import Config
-from ..files import write_text
+from ..config import Config, load_config
+from ..files import check_writes_apart, write_text
+from .build import build_model
 from .faster_rcnn import FasterRCNN
 
 
@@ -178,3 +179,22 @@ def write_summary(model: FasterRCNN, image_size: Tuple[int, int], path: str | os
     summary = model_summary(model, image_size)
     write_text(path, json.dumps(summary.to_dict(), indent=2) + "\n")
     return summary
+
+
+def summary_command(config_file: str, overrides: Sequence[str] = (), image_size: Optional[Tuple[int, int]] = None,
+                    json_file: Optional[str] = None) -> int:
+    """``tools/summary.py``: print the summary of the config's model (built without
+    ``model.weights``/``model.backbone_weights``: the counts do not depend on them, and
+    nothing is downloaded), FLOPs at ``image_size`` (H, W; default ``default_image_size``);
+    also write it to ``json_file``. Returns 0."""
+    if json_file:
+        check_writes_apart({"--json": json_file}, {"--config": config_file})
+    cfg = load_config(config_file, [*overrides, "model.weights=", "model.backbone_weights="])
+    size = tuple(image_size) if image_size else default_image_size(cfg)
+    torch.manual_seed(0)  # random init: the RPN's proposal count (the RoI heads' FLOPs) repeats
+    summary = model_summary(build_model(cfg), size)
+    print(format_summary(summary))
+    if json_file:
+        write_text(json_file, json.dumps(summary.to_dict(), indent=2) + "\n")
+        print(f"summary written to {json_file}")
+    return 0
