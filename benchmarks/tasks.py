@@ -288,3 +288,15 @@ def benchmark_exported(model: FasterRCNN, fmt: str, path: str | os.PathLike, ima
         "image_size": list(image.shape[-2:]),
         "machine": machine_info(device),
     }
+
+
+def format_timing(result: Dict[str, Any]) -> str:
+    """``benchmark_exported``'s result as text: one line per run (median and CPU time per
+    image) and the speed ratio (``tools/export.py --time``)."""
+    h, w = result["image_size"]
+    lines = [f"{name}: median {r['median_s'] * 1e3:.1f} ms/image ({r['iters']} runs, "
+             f"CPU {r['cpu_median_s'] * 1e3:.1f} ms)" for name, r in result["runs"].items()]
+    lines.append(f"eager / exported time: {result['ratio']:.2f} (CPU time {result['ratio_cpu_time']:.2f}) "
+                 f"on one {h}x{w} image, {result['machine']['torch_threads']} threads, "
+                 f"load average {result['machine'].get('loadavg')}")
+    return "\n".join(lines)

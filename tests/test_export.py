@@ -13,6 +13,7 @@ import pytest
 import torch
 import torchvision
 
+import detector.evaluation.export_command as EXPORT  # (its test_images is not a test: not imported by name)
 from detector.config import load_config
 from detector.modeling import build_model
 from detector.modeling.box_coder import clip_boxes
@@ -54,7 +55,7 @@ def model():
 @pytest.fixture(scope="module")
 def images():
     """A generated scene at 64x96 and one at 72x48 (the tool's own test images)."""
-    return TOOL.test_images((64, 96), None)
+    return EXPORT.test_images((64, 96), None)
 
 
 def check_reports(reports):
@@ -231,10 +232,10 @@ def test_tool_test_images_from_a_file(images, tmp_path):
     from PIL import Image
 
     Image.fromarray(images[1].permute(1, 2, 0).numpy()).save(tmp_path / "scene.png")
-    full, crop = TOOL.test_images((1, 1), str(tmp_path / "scene.png"))
+    full, crop = EXPORT.test_images((1, 1), str(tmp_path / "scene.png"))
     assert torch.equal(full, images[1]) and torch.equal(crop, images[1][:, :54, :36])
     with pytest.raises(FileNotFoundError, match="missing.png"):
-        TOOL.test_images((1, 1), str(tmp_path / "missing.png"))
+        EXPORT.test_images((1, 1), str(tmp_path / "missing.png"))
 
 
 def test_tool_missing_weights_is_one_line(tmp_path, capsys):

@@ -28,36 +28,15 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from benchmarks.tasks import benchmark_exported  # noqa: E402
+from benchmarks.tasks import benchmark_exported, format_timing  # noqa: E402
 from detector.cli import output_file, run_tool, user_path  # noqa: E402
-from detector.config import load_config  # noqa: E402
 from detector.config.schema import MAX_IMAGE_SIDE  # noqa: E402
-from detector.data import class_names_for  # noqa: E402
-from detector.data.files import load_image  # noqa: E402
-from detector.data.shapes import generate_image  # noqa: E402
-from detector.files import check_writes_apart  # noqa: E402
-from detector.evaluation.trained_weights import load_trained_weights  # noqa: E402
-from detector.modeling import build_model  # noqa: E402
-from detector.modeling.export import (  # noqa: E402
-    BOX_RTOL,
-    BOX_TOL,
-    DEFAULT_OPSET,
-    FORMATS,
-    SCORE_TOL,
-    ExportError,
-    export_metadata,
-    export_model,
-    verify_export,
-)
-from detector.modeling.summary import default_image_size  # noqa: E402
+from detector.evaluation.export_command import export_command  # noqa: E402
+from detector.modeling.export import BOX_RTOL, BOX_TOL, DEFAULT_OPSET, FORMATS, SCORE_TOL  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -92,39 +71,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def test_images(size: Tuple[int, int], image_path: Optional[str]) -> List[torch.Tensor]:
-    """Two uint8 [3, H, W] images of different sizes: image_path and its top-left 3/4
-    crop, or generated shapes scenes of size (H, W) and (3W/4, 3H/4) (another aspect
-    ratio and area, so every level's anchor count differs)."""
-    if image_path:
-        image = torch.from_numpy(np.array(load_image(image_path))).permute(2, 0, 1).contiguous()  # a writable copy
-        h, w = image.shape[1:]
-        return [image, image[:, : max(1, 3 * h // 4), : max(1, 3 * w // 4)].contiguous()]
-    h, w = size
-    if h < 1 or w < 1:
-        raise ValueError(f"--image-size must be positive, got {h} {w}")
-    second = (max(1, 3 * w // 4), max(1, 3 * h // 4))
-    images = []
-    for i, (height, width) in enumerate((size, second)):
-        side = min(max(height, width), 256)  # generate small, then resize: fast at any size
-        scene, _ = generate_image(np.random.default_rng(i), side, side)
-        scene = torch.from_numpy(scene).permute(2, 0, 1)[None].float()
-        scene = F.interpolate(scene, size=(height, width), mode="bilinear", align_corners=False)
-        images.append(scene[0].round().clamp(0, 255).to(torch.uint8))
-    return images
-
-
-def format_timing(result: dict) -> str:
-    """One line per run (median and CPU time per image) and the speed ratio."""
-    h, w = result["image_size"]
-    lines = [f"{name}: median {r['median_s'] * 1e3:.1f} ms/image ({r['iters']} runs, "
-             f"CPU {r['cpu_median_s'] * 1e3:.1f} ms)" for name, r in result["runs"].items()]
-    lines.append(f"eager / exported time: {result['ratio']:.2f} (CPU time {result['ratio_cpu_time']:.2f}) "
-                 f"on one {h}x{w} image, {result['machine']['torch_threads']} threads, "
-                 f"load average {result['machine'].get('loadavg')}")
-    return "\n".join(lines)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     return run_tool(lambda: export(args))
@@ -132,35 +78,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def export(args: argparse.Namespace) -> int:
     """Export (unless --verify-only), check the file against the eager model, time it."""
-    if not args.verify_only:  # before the work: an --output typed as an input would destroy it
-        check_writes_apart({"--output": args.output},
-                           {"--weights": args.weights, "--config": args.config, "--image": args.image})
-    # --weights holds every weight: build without initial weights (nothing to download).
-    cfg = load_config(args.config, [*args.overrides, "model.weights=", "model.backbone_weights="])
-    model = build_model(cfg)
-    class_names = None if args.verify_only else class_names_for(cfg)  # the file's metadata
-    load_trained_weights(model, cfg, args.weights, class_names)
-    model.eval()
-    images = test_images(tuple(args.image_size or default_image_size(cfg)), args.image)
-    output = Path(args.output)
-    if class_names is not None:
-        metadata = export_metadata(class_names, cfg.input.min_size_test, cfg.input.max_size_test)
-        export_model(model, args.format, output, images[0], opset=args.opset, metadata=metadata)
-        print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {args.format})")
-    print(f"parity check: boxes within {args.box_tol:g} px + {args.box_rtol:g} x the longer image side, "
-          f"scores within {args.score_tol:g}, same labels")
-    reports = verify_export(model, args.format, output, images, args.box_tol, args.score_tol, args.box_rtol)
-    for report in reports:
-        print(report.line())
-    bad = [r for r in reports if not r.ok]
-    if bad:
-        raise ExportError(f"{output} does not match the eager model: {bad[0].line()}")
-    if not any(r.num_eager or r.num_exported for r in reports):  # 'parity ok' would say nothing
-        raise ExportError(f"{output}: no detections on the test images, so the parity check compared nothing: give "
-                          "--image a picture with objects the model finds, or a larger --image-size")
-    print(f"parity ok: {args.format} file matches the eager model on {len(reports)} images")
+    checked = export_command(args.config, args.weights, args.format, args.output, args.overrides,
+                             image_size=args.image_size, image=args.image, opset=args.opset,
+                             verify_only=args.verify_only, box_tol=args.box_tol, box_rtol=args.box_rtol,
+                             score_tol=args.score_tol)
     if args.time:
-        print(format_timing(benchmark_exported(model, args.format, output, images[0], args.time)))
+        print(format_timing(benchmark_exported(checked.model, args.format, Path(args.output), checked.image,
+                                               args.time)))
     return 0
 
 
