@@ -13,7 +13,7 @@ import torch
 
 from conftest import TINY_CONFIG, load_tool
 from detector.config import ConfigError, load_config
-from detector.data import CocoDetection, DataError, build_dataset, resolve_num_classes
+from detector.data import CocoDetection, DataError, build_dataset, class_names_for, resolve_num_classes
 from detector.data.check import check_dataset
 from detector.evaluation import evaluate
 from detector.evaluation.inference import detections_of_image
@@ -79,7 +79,7 @@ def test_auto_num_classes_is_the_largest_id(tmp_path):
 
 
 def test_infer_tool_names_labels_by_category_id(tmp_path):
-    names = load_tool("infer").class_names_for
+    names = class_names_for  # what tools/infer.py names the labels by (detector.evaluation.infer_command)
     sub = coco_cfg(tmp_path, "data.label_space=category_id", "data.class_names=[car,person]")
     assert names(sub) == ["person", "unused_2", "car"]
     assert names(coco_cfg(tmp_path, "data.class_names=[car,person]")) == ["car", "person"]

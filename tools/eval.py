@@ -82,11 +82,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     analysis = None
     if args.analysis:
         # (the library's names: imported after parsing, so that --help answers without torch)
-        from detector.evaluation.command import AnalysisRequest
+        from detector.evaluation.score_command import AnalysisRequest
 
         analysis = AnalysisRequest(args.analysis_images, args.image_dir)
     if args.predictions:
-        from detector.evaluation.command import score_command
+        from detector.evaluation.score_command import score_command
 
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
         return run_tool(lambda: score_command(args.predictions, args.overrides, annotations=args.annotations,

@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
 from detector.cli import run_tool, user_path  # noqa: E402
-from detector.config import load_config  # noqa: E402
-from detector.data import class_names_for  # noqa: E402  (test_label_space reads class_names_for here)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -45,41 +42,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    # After parsing (--help without torch's imports), before run_tool (a signal meanwhile
+    # gets _bootstrap's one line).
+    from detector.evaluation.infer_command import infer_command
+
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    return run_tool(lambda: infer(args))
-
-
-def infer(args: argparse.Namespace) -> int:
-    """Detect on every image of --input; write the drawings and detections.json."""
-    from detector.data.transforms import build_transforms
-    from detector.distributed import resolve_device
-    from detector.evaluation import list_images, load_trained_weights, predict_files, write_json
-    from detector.evaluation.tta import tta_settings
-    from detector.modeling import build_model
-
-    cfg = load_config(args.config, args.overrides)
-    paths = list_images(args.input)
-    device = resolve_device(cfg.train.device)
-    model = build_model(cfg)
-    class_names = class_names_for(cfg)
-    load_trained_weights(model, cfg, args.weights, class_names)
-    model.to(device).eval()
-    records, skipped = predict_files(
-        model,
-        paths,
-        args.output_dir,
-        class_names,
-        transform=build_transforms(cfg, is_train=False, seed=0),
-        score_thresh=args.score_thresh,
-        tta=tta_settings(cfg),
-        apply_exif=cfg.data.apply_exif,  # read as training and evaluation read images
-    )
-    write_json(Path(args.output_dir) / "detections.json", records)
-    print(f"{len(records)} image(s) written to {args.output_dir}")
-    if skipped:
-        print(f"error: skipped {len(skipped)} unreadable image(s): {'; '.join(skipped)}", file=sys.stderr)
-        return 1
-    return 0
+    return run_tool(lambda: infer_command(args.config, args.weights, args.input, args.output_dir, args.overrides,
+                                          args.score_thresh))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from detector.engine.run_folder import (RunFolder, check_output_dir, check_overw
 from detector.engine.train_loop import TrainResult
 from detector.engine.trainer import train
 from detector.evaluation import OUTPUT_FILES, evaluate, load_predictions, load_trained_weights
-from detector.evaluation.command import AnalysisRequest, check_outputs_apart, print_analysis
+from detector.evaluation.score_command import AnalysisRequest, check_outputs_apart, print_analysis
 from detector.files import output_folder
 from detector.modeling import build_model
 
