@@ -327,7 +327,7 @@ def test_an_empty_generated_eval_case_is_a_usage_error(args, capsys):
     'lam < 0', naming no option."""
     with pytest.raises(SystemExit) as info:
         load_tool("benchmark").parse_args(["--config", str(TINY), "--task", "eval", *args])
-    assert info.value.code == 2 and "--eval-images and --eval-boxes must be >= 1" in capsys.readouterr().err
+    assert info.value.code == 2 and f"{args[0]} must be >= 1, got {args[1]}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "-2"])

@@ -84,10 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--budget-s must be > 0, got {args.budget_s}")
     if bool(args.gt) != bool(args.results):
         p.error("--gt and --results go together")
-    if args.num_batches < 1:  # was: "the data loader gave no batches (is the split empty?)"
-        p.error(f"--num-batches must be >= 1, got {args.num_batches}")
-    if args.eval_images < 1 or args.eval_boxes < 1:  # an empty generated case was an IndexError in pycocotools
-        p.error(f"--eval-images and --eval-boxes must be >= 1, got {args.eval_images} and {args.eval_boxes}")
+    for option in ("num_batches", "eval_images", "eval_boxes"):  # 0: "the data loader gave no batches (is the
+        if getattr(args, option) < 1:                          # split empty?)", an IndexError in pycocotools
+            p.error(f"--{option.replace('_', '-')} must be >= 1, got {getattr(args, option)}")
     views = [v.strip().lower() for v in args.bucket_views.split(",")]
     if not set(views) <= {"false", "true"}:
         p.error(f"--bucket-views takes false and/or true, got {args.bucket_views!r}")
