@@ -24,9 +24,9 @@ import numpy as np
 
 from detector.config import Config
 
-from .canvases import canvas_problem, canvases_that_hold, largest_batches
+from .canvases import batch_groups, canvases_that_hold, first_unheld, largest_batches, padded, resized_sizes
 from .dataset import DetectionDataset
-from .samplers import GroupedBatchSampler, TrainingSampler, aspect_ratio_group_ids
+from .samplers import GroupedBatchSampler, TrainingSampler
 
 Canvas = Tuple[int, int]
 
@@ -53,23 +53,19 @@ def draw_batch_shapes(heights: np.ndarray, widths: np.ndarray, cfg: Config, max_
     the loader's sampler and aspect groups over ``[N]`` image ``heights`` and ``widths``,
     each image resized at a random ``input.min_size_train`` (``transforms.resized_shape``'s
     arithmetic), or to ``input.lsj.size`` squared."""
-    n, per_batch, d, inp = len(heights), cfg.solver.images_per_gpu, cfg.model.size_divisibility, cfg.input
-    groups = (aspect_ratio_group_ids((np.asarray(widths) / np.asarray(heights)).tolist())
-              if cfg.data.aspect_ratio_grouping else [0] * n)
-    sampler = GroupedBatchSampler(TrainingSampler(n, seed=seed), groups, per_batch)
+    d, inp = cfg.model.size_divisibility, cfg.input
+    groups = batch_groups(heights, widths, cfg).tolist()
+    sampler = GroupedBatchSampler(TrainingSampler(len(heights), seed=seed), groups, cfg.solver.images_per_gpu)
     batches: List[List[int]] = []
     for epoch in range(max(1, -(-max_batches // sampler.num_batches))):
         sampler.set_epoch(epoch)
         batches += [[key.index for key in keys] for keys in sampler]
     index = np.asarray(batches[:max_batches], dtype=np.int64)  # [M, images_per_gpu]
     if inp.lsj.enabled:
-        side = -(-inp.lsj.size // d) * d
-        return np.full((len(index), 2), side, dtype=np.int64)
-    h, w = np.asarray(heights, dtype=np.float64)[index], np.asarray(widths, dtype=np.float64)[index]
-    scales = np.random.default_rng(seed).choice(np.asarray(inp.min_size_train, dtype=np.float64), size=index.shape)
-    scale = np.minimum(scales / np.minimum(h, w), inp.max_size_train / np.maximum(h, w))
-    new_h, new_w = np.maximum(1, np.round(h * scale)), np.maximum(1, np.round(w * scale))
-    return np.stack([-(-new_h.max(1).astype(np.int64) // d) * d, -(-new_w.max(1).astype(np.int64) // d) * d], 1)
+        return np.full((len(index), 2), padded(inp.lsj.size, d), dtype=np.int64)
+    scales = np.random.default_rng(seed).choice(np.asarray(inp.min_size_train), size=index.shape)
+    new_h, new_w = resized_sizes(np.asarray(heights)[index], np.asarray(widths)[index], scales, inp.max_size_train)
+    return np.stack([padded(new_h.max(1), d), padded(new_w.max(1), d)], 1)
 
 
 def _canvas_pixels(shapes: np.ndarray, canvases: Sequence[Canvas]) -> np.ndarray:
@@ -93,13 +89,14 @@ def evaluate_canvases(shapes: np.ndarray, canvases: Sequence[Canvas]) -> CanvasC
 
 
 def choose_canvases(heights: np.ndarray, widths: np.ndarray, cfg: Config, max_canvases: int = 4,
-                    max_batches: int = 20000, seed: int = 0) -> List[CanvasChoice]:
+                    max_batches: int = 20000, seed: int = 0, shapes: Optional[np.ndarray] = None) -> List[CanvasChoice]:
     """Canvas sets for the training set of ``[N]`` image ``heights`` and ``widths``, one
     per count: the fewest that hold every batch (``canvases_that_hold``), then each with
     one more canvas (the drawn batch shape that lowers the padding most), up to
-    ``max_canvases`` canvases or until no shape lowers it. Padding measured on
-    ``draw_batch_shapes``."""
-    shapes = draw_batch_shapes(heights, widths, cfg, max_batches, seed)
+    ``max_canvases`` canvases or until no shape lowers it. Padding measured on ``shapes``
+    (default: ``draw_batch_shapes`` with ``max_batches`` and ``seed``)."""
+    if shapes is None:
+        shapes = draw_batch_shapes(heights, widths, cfg, max_batches, seed)
     chosen: List[Canvas] = [tuple(c) for c in canvases_that_hold(largest_batches(heights, widths, cfg))]
     out = [evaluate_canvases(shapes, chosen)]
     candidates = np.unique(shapes, axis=0)
@@ -139,10 +136,10 @@ def canvas_report(cfg: Config, dataset: DetectionDataset, max_canvases: int = 4,
     sizing = (f"large-scale jitter to {inp.lsj.size} px squared" if inp.lsj.enabled else
               f"shorter side from {list(inp.min_size_train)}, longer up to {inp.max_size_train}")
     grouping = "aspect groups on" if cfg.data.aspect_ratio_grouping else "aspect groups off"
-    largest = ", ".join(f"{name} {h}x{w}" for name, h, w, _ in largest_batches(heights, widths, cfg)
-                        if name != "one image") or "one image per batch"
-    choices = choose_canvases(heights, widths, cfg, max_canvases, max_batches)
+    batches = largest_batches(heights, widths, cfg)
+    largest = ", ".join(f"{name} {h}x{w}" for name, h, w, _ in batches if name != "one image") or "one image per batch"
     shapes = draw_batch_shapes(heights, widths, cfg, max_batches)
+    choices = choose_canvases(heights, widths, cfg, max_canvases, shapes=shapes)
     lines = [f"training set: {dataset.source}, {len(dataset)} images; {cfg.solver.images_per_gpu} images per batch "
              f"({grouping}); {sizing}; padded to multiples of {d} (model.size_divisibility)",
              f"largest batches (height x width): {largest}",
@@ -152,7 +149,7 @@ def canvas_report(cfg: Config, dataset: DetectionDataset, max_canvases: int = 4,
     lines += [f"{len(c.canvases):>8}  {100 * c.padding:>+7.1f}%  {_listed(c.canvases)}" for c in choices]
     if cfg.model.canvas_sizes:
         own = evaluate_canvases(shapes, [tuple(c) for c in cfg.model.canvas_sizes])
-        held = ("holds every batch" if canvas_problem(cfg, dataset, "") is None else
+        held = ("holds every batch" if first_unheld(batches, cfg.model.canvas_sizes) is None else
                 f"{100 * own.unheld:.1f} % of the drawn batches fit none: train.static_step would stop")
         lines.append(f"this config's {_listed(own.canvases)}: padding {100 * own.padding:+.1f}%, {held}")
     lines += ["", "Each canvas is one more compiled graph (train.static_step, train.compile_backbone; minutes of "

@@ -36,22 +36,39 @@ logger = logging.getLogger(__name__)
 GROUP_NAMES = {0: "portrait", 1: "landscape or square"}
 
 
-def largest_training_sizes(heights: np.ndarray, widths: np.ndarray, cfg: Config) -> Tuple[np.ndarray, np.ndarray]:
-    """``[N]`` image heights and widths in pixels -> the ``[N]`` heights and widths of
-    each image's largest training size, before padding (``transforms.resized_shape`` at the
-    largest ``input.min_size_train``, in the same float64 arithmetic and rounding)."""
-    inp = cfg.input
-    if inp.lsj.enabled:
-        side = np.full(len(heights), inp.lsj.size, dtype=np.int64)
-        return side, side.copy()
+def resized_sizes(heights: np.ndarray, widths: np.ndarray, min_sizes: "np.ndarray | int",
+                  max_size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``transforms.resized_shape`` over arrays, in the same float64 arithmetic and
+    rounding: image ``heights`` and ``widths`` (pixels, any shape) with shorter sides
+    ``min_sizes`` (broadcast) capped at ``max_size`` -> the int64 new heights and widths."""
     h, w = np.asarray(heights, dtype=np.float64), np.asarray(widths, dtype=np.float64)
-    scale = np.minimum(max(inp.min_size_train) / np.minimum(h, w), inp.max_size_train / np.maximum(h, w))
+    scale = np.minimum(np.asarray(min_sizes, dtype=np.float64) / np.minimum(h, w), max_size / np.maximum(h, w))
     return (np.maximum(1, np.round(h * scale)).astype(np.int64),
             np.maximum(1, np.round(w * scale)).astype(np.int64))
 
 
-def _padded(side: int, divisibility: int) -> int:
-    return -(-int(side) // divisibility) * divisibility
+def largest_training_sizes(heights: np.ndarray, widths: np.ndarray, cfg: Config) -> Tuple[np.ndarray, np.ndarray]:
+    """``[N]`` image heights and widths in pixels -> the ``[N]`` heights and widths of
+    each image's largest training size, before padding (``resized_sizes`` at the largest
+    ``input.min_size_train``), or ``input.lsj.size`` with large-scale jitter."""
+    inp = cfg.input
+    if inp.lsj.enabled:
+        side = np.full(len(heights), inp.lsj.size, dtype=np.int64)
+        return side, side.copy()
+    return resized_sizes(heights, widths, max(inp.min_size_train), inp.max_size_train)
+
+
+def padded(sides: "np.ndarray | int", divisibility: int) -> "np.ndarray | int":
+    """``sides`` (pixels; an int or an int array) rounded up to multiples of ``divisibility``."""
+    return -(-sides // divisibility) * divisibility
+
+
+def batch_groups(heights: np.ndarray, widths: np.ndarray, cfg: Config) -> np.ndarray:
+    """``[N]`` the aspect group of each image as the training sampler groups them
+    (``samplers.aspect_ratio_group_ids``; all 0 without ``data.aspect_ratio_grouping``)."""
+    if not cfg.data.aspect_ratio_grouping:
+        return np.zeros(len(heights), dtype=np.int64)
+    return np.asarray(aspect_ratio_group_ids((np.asarray(widths) / np.asarray(heights)).tolist()), dtype=np.int64)
 
 
 def largest_batches(heights: np.ndarray, widths: np.ndarray, cfg: Config) -> List[Tuple[str, int, int, List[int]]]:
@@ -63,24 +80,29 @@ def largest_batches(heights: np.ndarray, widths: np.ndarray, cfg: Config) -> Lis
     new_h, new_w = largest_training_sizes(heights, widths, cfg)
     if cfg.solver.images_per_gpu == 1:
         shapes = {}
-        for i, (h, w) in enumerate(zip(new_h.tolist(), new_w.tolist())):
-            shapes.setdefault((_padded(h, d), _padded(w, d)), i)
+        for i, (h, w) in enumerate(zip(padded(new_h, d).tolist(), padded(new_w, d).tolist())):
+            shapes.setdefault((h, w), i)
         return [("one image", h, w, [i]) for (h, w), i in shapes.items()]
-    if cfg.data.aspect_ratio_grouping:
-        groups = np.asarray(aspect_ratio_group_ids((np.asarray(widths) / np.asarray(heights)).tolist()))
-    else:
-        groups = np.zeros(len(heights), dtype=np.int64)
+    groups = batch_groups(heights, widths, cfg)
     out = []
     for g in sorted(set(groups.tolist())):
         members = np.flatnonzero(groups == g)
         tallest, widest = members[np.argmax(new_h[members])], members[np.argmax(new_w[members])]
         name = GROUP_NAMES[g] if cfg.data.aspect_ratio_grouping else "all images"
-        out.append((name, _padded(new_h[tallest], d), _padded(new_w[widest], d), sorted({int(tallest), int(widest)})))
+        out.append((name, int(padded(new_h[tallest], d)), int(padded(new_w[widest], d)),
+                    sorted({int(tallest), int(widest)})))
     return out
 
 
 def _fits(h: int, w: int, canvases: Sequence[Sequence[int]]) -> bool:
     return any(ch >= h and cw >= w for ch, cw in canvases)
+
+
+def first_unheld(batches: Sequence[Tuple[str, int, int, List[int]]],
+                 canvases: Sequence[Sequence[int]]) -> Optional[Tuple[str, int, int, List[int]]]:
+    """The first of ``largest_batches`` that fits no canvas of ``canvases``; None where
+    every one fits (then every batch of the data does)."""
+    return next((b for b in batches if not _fits(b[1], b[2], canvases)), None)
 
 
 def canvases_that_hold(batches: Sequence[Tuple[str, int, int, List[int]]]) -> List[List[int]]:
@@ -105,7 +127,7 @@ def canvas_problem(cfg: Config, dataset: DetectionDataset, consequence: str) -> 
         return None
     heights, widths = dataset.records.arrays["heights"], dataset.records.arrays["widths"]
     batches = largest_batches(heights, widths, cfg)
-    bad = next(((name, h, w, idx) for name, h, w, idx in batches if not _fits(h, w, canvases)), None)
+    bad = first_unheld(batches, canvases)
     if bad is None:
         return None
     name, h, w, idx = bad
