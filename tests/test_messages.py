@@ -164,6 +164,43 @@ def test_run_tool_stops_on_sigterm_in_one_of_several_ranks_too(env, monkeypatch,
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+# argv that each tool's parser answers (exit status): --help, and usage errors.
+PARSED_BEFORE_TORCH = {
+    "train": [(["--help"], 0), ([], 2), (["--config"], 2)],
+    "summary": [(["--help"], 0), (["--config", "c.yaml", "--image-size", "0", "5"], 2)],
+    "canvas_sizes": [(["--help"], 0), (["--config", "c.yaml", "--max-canvases", "0"], 2)],
+}
+
+
+@pytest.mark.parametrize("tool", sorted(PARSED_BEFORE_TORCH))
+def test_a_tool_answers_help_and_usage_errors_before_importing_torch(tool):
+    """``tools/<tool>.py --help`` and its usage errors come from the parser alone: torch
+    and the library's commands are imported once the arguments are parsed (6-10 s on a
+    small machine). One fresh interpreter parses every argv in turn."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    cases = PARSED_BEFORE_TORCH[tool]
+    probe = (f"import io, json, sys, contextlib; sys.path.insert(0, 'tools'); import {tool}\n"
+             "out = []\n"
+             "for argv in json.loads(sys.argv[1]):\n"
+             "    try:\n"
+             "        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+             f"            {tool}.parse_args(argv)\n"
+             "        out.append(None)\n"
+             "    except SystemExit as e:\n"
+             "        out.append(e.code)\n"
+             "print(json.dumps([out, 'torch' in sys.modules]))")
+    proc = subprocess.run([sys.executable, "-c", probe, json.dumps([argv for argv, _ in cases])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    statuses, torch_imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert statuses == [status for _, status in cases] and not torch_imported, proc.stdout[-2000:]
+
+
 @pytest.mark.parametrize("tool", ["summary", "train"])
 def test_ctrl_c_while_a_tool_imports_is_one_line(tmp_path, tool):
     """Ctrl-C in the seconds a tool imports torch and detector was a KeyboardInterrupt
