@@ -18,7 +18,6 @@ from typing import List, Optional
 import _bootstrap  # noqa: F401  (first: environment and sys.path, see tools/_bootstrap.py)
 
 from detector.cli import run_tool, user_path  # noqa: E402
-from detector.config import load_config  # noqa: E402
 
 
 def positive(text: str) -> int:
@@ -40,15 +39,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    from detector.data import build_dataset  # after parsing: --help without importing torch
-    from detector.data.canvas_choice import canvas_report
+    # After parsing (--help without torch's imports), before run_tool (a signal meanwhile
+    # gets _bootstrap's one line).
+    from detector.data.canvas_choice import canvas_sizes_command
 
-    def body() -> int:
-        cfg = load_config(args.config, args.overrides)
-        print(canvas_report(cfg, build_dataset(cfg, "train", True), args.max_canvases, args.batches))
-        return 0
-
-    return run_tool(body)
+    return run_tool(lambda: canvas_sizes_command(args.config, args.overrides, args.max_canvases, args.batches))
 
 
 if __name__ == "__main__":

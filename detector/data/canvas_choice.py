@@ -22,8 +22,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from detector.config import Config
+from detector.config import Config, load_config
 
+from .build import build_dataset
 from .canvases import batch_groups, canvases_that_hold, first_unheld, largest_batches, padded, resized_sizes
 from .dataset import DetectionDataset
 from .samplers import GroupedBatchSampler, TrainingSampler
@@ -156,3 +157,12 @@ def canvas_report(cfg: Config, dataset: DetectionDataset, max_canvases: int = 4,
               "compilation, and its memory): take the fewest whose padding you accept, e.g.",
               f"    model.canvas_sizes={_listed(choices[0].canvases).replace(' ', '')}"]
     return "\n".join(lines)
+
+
+def canvas_sizes_command(config_file: str, overrides: Sequence[str] = (), max_canvases: int = 4,
+                         max_batches: int = 20000) -> int:
+    """``tools/canvas_sizes.py``: print ``canvas_report`` for the training set of the
+    config with ``overrides``. Returns 0."""
+    cfg = load_config(config_file, list(overrides))
+    print(canvas_report(cfg, build_dataset(cfg, "train", True), max_canvases, max_batches))
+    return 0
