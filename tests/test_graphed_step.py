@@ -100,8 +100,19 @@ def test_captured_step_equals_the_eager_body_on_cuda():
     # of another random state differs by whole samples (percents).
     torch.testing.assert_close(loss_c[0], loss_e[0], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-3, atol=1e-6)
-    for a, b in zip(state_c, state_e):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    # Each tensor as a whole, not element by element: an element near zero carries that
+    # noise at full size (the fourth H200 run: one weight of 100352 off by 1.1e-5, 1.3 %
+    # of itself, the tensor 1e-6 relative).
+    assert len(state_c) == len(state_e)
+    worst = max(relative_norm_difference(a, b) for a, b in zip(state_c, state_e))
+    assert worst < 1e-3, worst
+
+
+def relative_norm_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (0 when they are equal; huge when only ``b`` is zero)."""
+    a, b = a.double(), b.double()
+    diff = float((a - b).norm())
+    return diff / max(float(b.norm()), 1e-300) if diff > 0 else 0.0
 
 
 def scale_of(scaler) -> tuple:

@@ -1,10 +1,13 @@
 """detector/ops/roi_align.py: the sparse CPU backward against torchvision's
-backward, gradcheck, and the fallbacks to torchvision's op."""
+backward, gradcheck, and the fallbacks to torchvision's op; the static step's pooler
+(detector/modeling/static_roi_heads.py) against the eager one."""
 
 import pytest
 import torch
 from torchvision.ops import roi_align as tv_roi_align
 
+from detector.modeling.roi_heads import MultiLevelRoIAlign
+from detector.modeling.static_roi_heads import rois_on_level, static_roi_align
 from detector.ops.roi_align import multi_level_roi_align, roi_align
 
 
@@ -119,3 +122,41 @@ def test_low_precision_features_keep_float32_boxes_under_autocast(grad):
         for level, scale in enumerate((0.25, 0.125)):
             ref = tv_roi_align(feats[level], rois[levels == level], (3, 3), scale, 2, False)
             assert torch.equal(out[levels == level], ref)
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sampling_ratio", [0, 2])
+def test_static_pooler_equals_the_eager_pooler(aligned, sampling_ratio):
+    """``static_roi_align`` (every level called with all RoIs, the other levels' moved
+    outside the map) gives the eager pooler's values and feature gradients, for boxes on
+    all four levels, inside, across the border and outside the image."""
+    pooler = MultiLevelRoIAlign([4, 8, 16, 32], 7, sampling_ratio, aligned)
+    g = torch.Generator().manual_seed(3)
+    feats = [torch.randn(2, 8, 64 // s, 96 // s, generator=g, requires_grad=True) for s in (1, 2, 4, 8)]
+    xy = torch.rand(2, 30, 2, generator=g) * torch.tensor([380.0, 250.0]) - 20
+    wh = torch.exp(torch.rand(2, 30, 2, generator=g) * 6.0) * 2  # 2 to 800 px: every level
+    boxes = torch.cat([xy, xy + wh], dim=2)
+    levels = pooler.level_of(boxes.reshape(-1, 4))
+    assert set(levels.tolist()) == {0, 1, 2, 3}
+    out = static_roi_align(pooler, feats, boxes)
+    ref = pooler(feats, list(boxes))
+    assert torch.equal(out, ref)
+    grad = torch.randn(out.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(out, feats, grad), torch.autograd.grad(ref, feats, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rois_moved_off_their_level_pool_zeros_and_add_no_gradient():
+    """What ``static_roi_align`` relies on: a RoI moved by ``rois_on_level`` lies outside
+    the map for every sampling setting, so torchvision's kernel pools zeros for it and its
+    backward adds nothing (no features read, no atomic adds on CUDA)."""
+    feat, rois = _case(r=12)
+    mine = torch.zeros(12, dtype=torch.bool)
+    for aligned in (False, True):
+        for sr in (0, 1, 2):
+            out = tv_roi_align(feat, rois_on_level(rois, mine, 0.25), 7, 0.25, sr, aligned)
+            assert torch.equal(out, torch.zeros_like(out))
+            (grad,) = torch.autograd.grad(out, feat, torch.ones_like(out))
+            assert torch.equal(grad, torch.zeros_like(grad))
+    kept = rois_on_level(rois, ~mine, 0.25)
+    assert torch.equal(kept, rois)

@@ -23,12 +23,13 @@ import pytest
 import torch
 from torch import nn
 
+from detector.config import load_config
 from detector.data.shapes import ensure_shapes
 from detector.engine.checkpointing import Checkpointer, find_resume_checkpoint, load_checkpoint
 from detector.engine.hooks import NonFiniteLossError, PeriodicCheckpointer
 from detector.engine.log import read_jsonl
 from detector.engine.run_folder import RunFolderError
-from detector.engine.setup import apply_norm_policy
+from detector.engine.setup import apply_norm_policy, configure_torch
 from detector.engine.train_loop import HookBase, Trainer
 from detector.engine.trainer import build_trainer
 from detector.modeling import build_model
@@ -206,6 +207,23 @@ def test_syncbn_on_cpu_falls_back_to_bn_with_warning(data_root, tmp_path, caplog
     assert any(isinstance(m, nn.BatchNorm2d) for m in t.model.modules())
     assert t.train().iteration == 1
     t.close()
+
+
+def test_deterministic_on_cuda_says_roialign_is_compiled(caplog):
+    """train.deterministic on CUDA makes torchvision compile its Python RoIAlign at the
+    first step (over a minute per launch on an H200): the log says so, on CUDA only."""
+    cfg = load_config(TINY_CONFIG, ["train.deterministic=true"])
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
+    try:
+        with caplog.at_level(logging.INFO, logger="detector.engine"):
+            configure_torch(cfg, torch.device("cpu"))
+            assert "RoIAlign" not in caplog.text
+            configure_torch(cfg, torch.device("cuda", 0))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert caplog.text.count("torchvision's RoIAlign runs its deterministic version") == 1
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic = before[1]
 
 
 def test_syncbn_conversion_keeps_frozen_bn(data_root, tmp_path):

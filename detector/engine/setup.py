@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -15,12 +15,20 @@ from detector.config import Config
 logger = logging.getLogger(__name__)
 
 
-def configure_torch(cfg: Config) -> None:
-    """``train.deterministic`` (deterministic algorithms, cuDNN) and ``train.cudnn_benchmark``."""
+def configure_torch(cfg: Config, device: Optional[torch.device] = None) -> None:
+    """``train.deterministic`` (deterministic algorithms, cuDNN) and ``train.cudnn_benchmark``.
+
+    On CUDA (``device``), deterministic mode also changes RoIAlign: torchvision then runs
+    its deterministic Python version, compiled by ``torch.compile`` in each process at its
+    first call, which the log says (the first step takes a minute or more)."""
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic = True
+        if device is not None and device.type == "cuda":
+            logger.info("train.deterministic on cuda: torchvision's RoIAlign runs its deterministic version, "
+                        "compiled by torch.compile at the first step (a minute or more); "
+                        "train.deterministic=false keeps its CUDA kernel")
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark and not cfg.train.deterministic
 
 

@@ -104,7 +104,7 @@ def build_trainer(
     check_best_metric(cfg)
     dist = dist_info or init_distributed(cfg.train.device, backend=cfg.train.dist_backend,
                                          timeout_s=cfg.train.dist_timeout_s)
-    configure_torch(cfg)
+    configure_torch(cfg, dist.device)
     seed_everything(cfg.train.seed, dist.rank)
     if run_folder is None:
         check_output_dir(cfg.train.output_dir)

@@ -5,7 +5,11 @@ ground truth: the same sampling (``ROIHeads.sample_padded``), the same losses an
 normalisation (``ROIHeads.losses``). The multi-level RoIAlign pools every RoI on every
 level with torchvision's kernel and keeps each RoI's own level (``static_roi_align``):
 the eager pooler groups RoIs by level, whose group sizes are data. That costs one
-RoIAlign per pooled level instead of one in all, with the same values per RoI.
+kernel launch per level instead of one in all, with the same values per RoI. In each
+level's call, the RoIs of the other levels are moved outside the feature map, where the
+kernel reads nothing and its backward adds nothing: pooled where they were, they made
+RoIAlign 36 % of the 8-image CUDA-graph step on an H200 (23 ms of backward atomics,
+torchvision's step 4.7 ms).
 """
 
 from __future__ import annotations
@@ -34,11 +38,20 @@ def static_roi_align(pooler: MultiLevelRoIAlign, features: List[Tensor], boxes: 
     levels = pooler.level_of(concat)  # [R]
     out = None
     for level, (feat, scale) in enumerate(zip(features, pooler.scales)):
-        pooled = tv_roi_align(feat, rois_for_kernel(rois, feat), pooler.output_size, scale, pooler.sampling_ratio,
-                              pooler.aligned)
-        mine = (levels == level)[:, None, None, None]
-        out = torch.where(mine, pooled, 0.0 if out is None else out)
+        mine = levels == level  # [R]
+        pooled = tv_roi_align(feat, rois_for_kernel(rois_on_level(rois, mine, scale), feat), pooler.output_size,
+                              scale, pooler.sampling_ratio, pooler.aligned)
+        out = torch.where(mine[:, None, None, None], pooled, 0.0 if out is None else out)
     return out
+
+
+def rois_on_level(rois: Tensor, mine: Tensor, scale: float) -> Tensor:
+    """``rois`` ``[R, 5]`` with the boxes of RoIs not ``mine`` (``[R]`` bool) replaced by
+    a point 4 feature cells above and left of the map (``-4 / scale`` image pixels), where
+    every sample of RoIAlign lies outside it: torchvision's kernels (and its deterministic
+    version) pool zeros there without reading the features, and add no gradient."""
+    boxes = torch.where(mine[:, None], rois[:, 1:], -4.0 / scale)
+    return torch.cat((rois[:, :1], boxes), dim=1)
 
 
 def static_roi_losses(roi_heads: ROIHeads, features: List[Tensor], proposals: Tensor, proposals_valid: Tensor,
