@@ -60,6 +60,21 @@ def kernel_summary(events: Iterable[Any], row_limit: int = 15) -> Dict[str, Any]
                              "share": round(t / (busy or 1.0), 4)} for name, (t, n) in rows]}
 
 
+def host_summary(events: Any, row_limit: int = 15) -> Dict[str, Any]:
+    """The host's side of a profile (``key_averages()``) on a GPU, where a step bound by
+    dispatch spends its time: ``host_ms``, the summed self CPU time of every operator and
+    runtime call; ``top_host_ops``: the ``row_limit`` largest by self CPU time (ms,
+    calls, share), and ``most_called``: the ``row_limit`` operators called most often."""
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    by_time = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:row_limit]
+    by_calls = sorted(events, key=lambda e: int(e.count), reverse=True)[:row_limit]
+    return {"host_ms": round(total / 1000.0, 3),
+            "top_host_ops": [{"name": e.key[:120], "ms": round(e.self_cpu_time_total / 1000.0, 3),
+                              "calls": int(e.count), "share": round(e.self_cpu_time_total / total, 4)}
+                             for e in by_time],
+            "most_called": [{"name": e.key[:120], "calls": int(e.count)} for e in by_calls]}
+
+
 def profile_train_step(
     cfg: Config,
     warmup: int = 2,
@@ -75,7 +90,8 @@ def profile_train_step(
     Returns ``top_ops``: the ``row_limit`` operators with the largest self time (CPU,
     or CUDA on a GPU) as dicts (name, self/total time in ms, calls, share of the step),
     ``counts`` (:func:`count_ops`), ``dense_share``: the share of the step's self time in
-    ``DENSE_OPS``, and ``table``: the profiler's own text table.
+    ``DENSE_OPS``, and ``table``: the profiler's own text table; on a GPU also
+    :func:`kernel_summary`'s and :func:`host_summary`'s fields.
 
     On the CPU both models' steps run on one intra-op thread (see the body), so the
     times are one core's. (Even torchvision's operator count depends on the thread
@@ -125,7 +141,7 @@ def _profile_step(cfg: Config, device: torch.device, warmup: int, row_limit: int
         }
         for e in rows
     ]
-    kernels = kernel_summary(prof.events()) if device.type == "cuda" else {}
+    kernels = {**kernel_summary(prof.events()), **host_summary(events)} if device.type == "cuda" else {}
     return {
         **kernels,
         "model": "torchvision" if torchvision_model else "ours",
