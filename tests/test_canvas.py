@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 
 from detector.config import ConfigError, load_config
 from detector.data import build_dataset
-from detector.data.canvases import canvases_that_hold, check_canvases, largest_batches
+from detector.data.canvases import (canvases_that_hold, check_canvases, evaluation_batches, largest_batches,
+                                   warn_of_evaluation_canvases)
+from detector.data.loader import build_test_loader
+from detector.engine.trainer import build_trainer
 from detector.data.samplers import GroupedBatchSampler, TrainingSampler, aspect_ratio_group_ids
 from detector.data.transforms import resized_shape
 from detector.modeling import build_model
@@ -178,3 +183,65 @@ def test_compile_backbone_with_canvases_that_miss_a_batch_warns(tiny_data, tmp_p
     with caplog.at_level("WARNING", logger="detector.data.canvases"):
         check_canvases(cfg, build_dataset(cfg, "train", True))
     assert "compiles the backbone again" in caplog.text and "model.canvas_sizes=[[64, 96], [96, 64]]" in caplog.text
+
+
+@pytest.mark.parametrize("per_gpu", [1, 3])
+def test_evaluation_batches_are_the_test_loaders_batches(tiny_data, tmp_path, per_gpu):
+    """``evaluation_batches`` computes, from the records alone, the padded shape of each
+    batch the evaluation loader makes (real images through the eval pipeline)."""
+    cfg = tiny_config(tiny_data, tmp_path, f"eval.images_per_gpu={per_gpu}")
+    val = build_dataset(cfg, "val", False)
+    real = [batch_shape([tuple(img.shape[-2:]) for img in images], cfg.model.size_divisibility)
+            for images, _ in build_test_loader(cfg, val, num_workers=0)]
+    computed = evaluation_batches(val.records.arrays["heights"], val.records.arrays["widths"], cfg)
+    assert [(h, w) for h, w, _ in computed] == real and len(real) == -(-len(val) // per_gpu)
+
+
+def test_compiled_backbone_warns_of_evaluation_batches_that_fit_no_canvas(tiny_data, tmp_path, caplog):
+    """Training batches of one orientation fit [[64, 96], [96, 64]], but evaluation
+    batches mix portrait and landscape images (96x96): one warning line naming the images
+    and canvases that hold them; nothing with those, with one image per batch, or without
+    a compiled backbone."""
+    two = ["train.compile_backbone=true", "model.canvas_sizes=[[64,96],[96,64]]", "eval.images_per_gpu=2"]
+    cfg = tiny_config(tiny_data, tmp_path, *two)
+    val = build_dataset(cfg, "val", False)
+    with caplog.at_level("WARNING", logger="detector.data.canvases"):
+        line = warn_of_evaluation_canvases(cfg, val)
+    assert line is not None and "\n" not in line and line in caplog.text
+    assert line.startswith("train.compile_backbone: model.canvas_sizes [[64, 96], [96, 64]] has no canvas for ")
+    assert "e.g. 96x96 px from " in line and str(tiny_data / "val") in line
+    suggested = line.split("Canvases that hold them all: model.canvas_sizes=", 1)[1].split(";", 1)[0]
+    assert suggested == "[[64, 96], [96, 64], [96, 96]]"  # the training canvases kept
+    assert warn_of_evaluation_canvases(tiny_config(tiny_data, tmp_path, *two[:1], "eval.images_per_gpu=2",
+                                                   f"model.canvas_sizes={suggested}"), val) is None
+    assert warn_of_evaluation_canvases(tiny_config(tiny_data, tmp_path, *two[:2], "eval.images_per_gpu=1"), val) is None
+    assert warn_of_evaluation_canvases(tiny_config(tiny_data, tmp_path, *two[1:]), val) is None
+
+
+def test_the_trainer_warns_of_evaluation_batches_before_training(tiny_data, tmp_path, caplog):
+    cfg = tiny_config(tiny_data, tmp_path / "run", "train.compile_backbone=true", "train.eval_period=2",
+                      "model.canvas_sizes=[[64,96],[96,64]]", "eval.images_per_gpu=2")
+    with caplog.at_level("WARNING", logger="detector.data.canvases"):
+        trainer = build_trainer(cfg)  # the backbone compiles at its first call: not here
+    trainer.close()
+    assert caplog.text.count("evaluation batches of ") == 1
+
+
+def test_the_eval_tool_warns_of_evaluation_batches_too(tiny_data, tmp_path, capsys, monkeypatch):
+    """tools/eval.py (``evaluate_command``) says it once before evaluating. torch.compile
+    is switched off here (the backbone runs eagerly): the line is what is tested."""
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    cfg = tiny_config(tiny_data, tmp_path / "run")
+    torch.save(build_model(cfg).state_dict(), tmp_path / "w.pth")
+    logs = [logging.getLogger(name) for name in ("detector", "py.warnings")]
+    saved = [(list(log.handlers), log.propagate, log.level) for log in logs]
+    try:
+        status = load_tool("eval").main([
+            "--config", str(TINY_CONFIG), "--weights", str(tmp_path / "w.pth"), *tiny_overrides(tiny_data, tmp_path / "run"),
+            "train.compile_backbone=true", "model.canvas_sizes=[[64,96],[96,64]]", "eval.images_per_gpu=2"])
+    finally:
+        logging.captureWarnings(False)
+        for log, (handlers, propagate, level) in zip(logs, saved):
+            log.handlers[:], log.propagate, log.level = handlers, propagate, level
+    log = " ".join(capsys.readouterr().out.split())  # the console log, its long lines wrapped
+    assert status == 0 and log.count("has no canvas for 1 of the 2 evaluation batches") == 1, log[-2000:]

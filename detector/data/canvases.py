@@ -158,3 +158,50 @@ def check_canvases(cfg: Config, dataset: DetectionDataset) -> None:
                                                "batch's own shape (minutes each)")
         if problem is not None:
             logger.warning("%s", problem)
+
+
+def evaluation_batches(heights: np.ndarray, widths: np.ndarray, cfg: Config) -> List[Tuple[int, int, List[int]]]:
+    """The padded shape of each evaluation batch of one process, in data-set order:
+    ``eval.images_per_gpu`` consecutive images resized to ``input.min_size_test`` capped
+    at ``input.max_size_test`` (as the eval pipeline does), the batch's largest height by
+    its largest width rounded up to ``model.size_divisibility``: ``[(H, W, [image
+    indices that set H and W])]``, pixels."""
+    d, n = cfg.model.size_divisibility, cfg.eval.images_per_gpu
+    new_h, new_w = resized_sizes(heights, widths, cfg.input.min_size_test, cfg.input.max_size_test)
+    out = []
+    for start in range(0, len(new_h), n):
+        h, w = new_h[start:start + n], new_w[start:start + n]
+        tallest, widest = start + int(np.argmax(h)), start + int(np.argmax(w))
+        out.append((int(padded(h.max(), d)), int(padded(w.max(), d)), sorted({tallest, widest})))
+    return out
+
+
+def warn_of_evaluation_canvases(cfg: Config, dataset: DetectionDataset) -> Optional[str]:
+    """With ``train.compile_backbone``, one warning line (logged, and returned) where
+    evaluation batches of ``dataset`` fit no canvas of ``model.canvas_sizes``: each such
+    batch's own shape compiles the backbone again (minutes each on a GPU; torch.compile
+    runs eagerly once its recompile limit is reached). It names the first such batch's
+    images, and the canvases plus those that would hold the batches left out. Nothing without canvases or compiled
+    backbone, with test-time augmentation (``eval.tta.sizes``: the images keep their own
+    sizes), or where every batch fits. Several processes split the set into other
+    batches: the check is one process's."""
+    canvases = [list(c) for c in cfg.model.canvas_sizes]
+    if not (cfg.train.compile_backbone and canvases) or cfg.eval.tta.sizes or len(dataset) == 0:
+        return None
+    heights, widths = dataset.records.arrays["heights"], dataset.records.arrays["widths"]
+    batches = evaluation_batches(heights, widths, cfg)
+    unheld = [b for b in batches if not _fits(b[0], b[1], canvases)]
+    if not unheld:
+        return None
+    h, w, idx = unheld[0]
+    images = " and ".join(f"{dataset.records.path(i)} ({int(heights[i])}x{int(widths[i])})" for i in idx)
+    extra = canvases_that_hold([("", bh, bw, []) for bh, bw, _ in unheld])
+    line = (f"train.compile_backbone: model.canvas_sizes {canvases} has no canvas for {len(unheld)} of the "
+            f"{len(batches)} evaluation batches of {dataset.source} (eval.images_per_gpu={cfg.eval.images_per_gpu}, "
+            f"shorter side input.min_size_test={cfg.input.min_size_test}, longer up to "
+            f"input.max_size_test={cfg.input.max_size_test}), e.g. {h}x{w} px from {images}: the backbone compiles "
+            f"again for each such shape (minutes each). Canvases that hold them all: "
+            f"model.canvas_sizes={canvases + extra}; or eval.images_per_gpu=1 where portrait and landscape images "
+            f"share batches")
+    logger.warning("%s", line)
+    return line

@@ -39,7 +39,7 @@ from torch import nn
 from detector.config import Config, config_to_yaml, save_config
 from detector.data import (DataError, build_dataset, check_data_paths, check_val_classes, first_other_label,
                            resolve_class_names, resolve_num_classes)
-from detector.data.canvases import check_canvases
+from detector.data.canvases import check_canvases, warn_of_evaluation_canvases
 from detector.data.loader import build_train_loader
 from detector.distributed import DistInfo, all_gather_object, init_distributed, seed_everything
 from detector.engine.amp import AmpSettings, resolve_amp
@@ -132,6 +132,8 @@ def _build_in_folder(cfg: Config, dist: DistInfo, folder: RunFolder, on_close: L
     cfg, train_set, val_set = _training_data(cfg)
     _check_one_training_set(train_set, dist)
     check_canvases(cfg, train_set)  # the static step: every batch the loader can form fits a canvas
+    if val_set is not None and is_main:
+        warn_of_evaluation_canvases(cfg, val_set)  # train.compile_backbone: evaluation batches too
     loader = build_train_loader(cfg, train_set, dist.rank, dist.world_size)
     cfg = resolve_epoch_schedule(cfg, len(loader))  # before the scheduler, config.yaml and checkpoints
     model = _initial_model(cfg, output_dir, is_main, list(train_set.class_names))
