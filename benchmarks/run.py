@@ -81,8 +81,9 @@ def run_benchmark(
             (default: torchvision as it comes).
         threads: ``torch.set_num_threads`` (0: leave PyTorch's default).
         eval_images, eval_boxes: size of the generated case of ``task="eval"``.
-        count_ops: train: add ``ops_per_step`` and ``host_syncs_per_step`` (ours and
-            torchvision's) from ``torch.profiler`` over one step after warm-up.
+        count_ops: train or infer: add ``ops_per_step`` and ``host_syncs_per_step`` (ours
+            and torchvision's) from ``torch.profiler`` over one step or inference batch
+            after warm-up.
         budget_s: ``task="time-to-accuracy"``: training seconds of each run
             (``benchmarks.time_to_accuracy``).
         scaling: ``task="scaling"``: world sizes and DDP settings to sweep
@@ -159,8 +160,8 @@ def _check_arguments(task: str, iters: int, warmup: int, profile: bool, count_op
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
     if profile and task not in ("train", "infer"):
         raise ValueError(f"--profile applies to --task train or infer, not {task!r}")
-    if count_ops and task != "train":
-        raise ValueError(f"--count-ops applies to --task train, not {task!r}")
+    if count_ops and task not in ("train", "infer"):
+        raise ValueError(f"--count-ops applies to --task train or infer, not {task!r}")
     if compare_torchvision and task not in ("train", "infer"):
         raise ValueError(f"--compare-torchvision applies to --task train or infer, not {task!r}")
     if threads < 0:
@@ -193,9 +194,9 @@ def _profiles(cfg: Config, task: str, synthetic: bool, profile: bool, count_ops:
         out["ops_per_step"] = {k: p["counts"]["aten_ops"] for k, p in profiles.items()}
         out["host_syncs_per_step"] = {k: p["counts"]["host_syncs"] for k, p in profiles.items()}
         out["nonzero_per_step"] = {k: p["counts"]["nonzero"] for k, p in profiles.items()}
+        what = "training step" if task == "train" else "inference batch"
         out["ops_counted"] = ("aten:: operators dispatched (nested included) and host syncs ("
-                              + ", ".join(SYNC_EVENTS) + ") in one training step after warm-up, "
-                              "by torch.profiler")
+                              + ", ".join(SYNC_EVENTS) + f") in one {what} after warm-up, by torch.profiler")
     return out
 
 

@@ -268,8 +268,12 @@ def test_count_ops_json(tmp_path, restore_threads):
     assert all(v > 500 for v in result["ops_per_step"].values())
     assert all(v >= 1 for v in result["host_syncs_per_step"].values())
     assert "profile" not in result  # --count-ops alone keeps the JSON small
-    with pytest.raises(ValueError, match="--count-ops applies to --task train"):
-        run_benchmark(load_config(None), "infer", count_ops=True)
+    infer = benchmark_json(tmp_path, "--task", "infer", "--iters", "1", "--warmup", "1", "--num-batches", "2",
+                           "--count-ops", "--threads", "1", "train.device=cpu", *shapes_data(tmp_path))
+    assert set(infer["ops_per_step"]) == {"ours", "torchvision"} and "inference batch" in infer["ops_counted"]
+    assert all(500 < v < min(result["ops_per_step"].values()) for v in infer["ops_per_step"].values())  # no backward
+    with pytest.raises(ValueError, match="--count-ops applies to --task train or infer, not 'data'"):
+        run_benchmark(load_config(None), "data", count_ops=True)
 
 
 def test_infer_profile_json(tmp_path, restore_threads, capsys):

@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-batches", type=int, default=4, help="distinct batches cached in memory (default 4)")
     p.add_argument("--profile", action="store_true", help="train/infer: torch.profiler summary of one step or batch")
     p.add_argument("--count-ops", action="store_true",
-                   help="train: aten ops and host syncs per step, ours and torchvision's (torch.profiler)")
+                   help="train/infer: aten ops and host syncs per step or batch, ours and torchvision's "
+                        "(torch.profiler)")
     p.add_argument("--torchvision-options", action="store_true",
                    help="give torchvision's model our train.* speed options too (default: its defaults)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: PyTorch's choice)")
