@@ -1,5 +1,6 @@
 """Do the training batches fit ``model.canvas_sizes``? Checked from the records, before
-any image is decoded.
+any image is decoded (the evaluation batches too, with ``train.compile_backbone``:
+``warn_of_evaluation_canvases``).
 
 A batch is padded to the smallest canvas that holds it (``modeling.faster_rcnn.batch_shape``).
 The static step (``train.static_step``) has one compiled graph per canvas and refuses a
@@ -181,10 +182,10 @@ def warn_of_evaluation_canvases(cfg: Config, dataset: DetectionDataset) -> Optio
     evaluation batches of ``dataset`` fit no canvas of ``model.canvas_sizes``: each such
     batch's own shape compiles the backbone again (minutes each on a GPU; torch.compile
     runs eagerly once its recompile limit is reached). It names the first such batch's
-    images, and the canvases plus those that would hold the batches left out. Nothing without canvases or compiled
-    backbone, with test-time augmentation (``eval.tta.sizes``: the images keep their own
-    sizes), or where every batch fits. Several processes split the set into other
-    batches: the check is one process's."""
+    images, and the canvases plus those that would hold the batches left out. Nothing
+    without canvases or a compiled backbone, with test-time augmentation
+    (``eval.tta.sizes``: the images keep their own sizes), or where every batch fits.
+    Several processes split the set into other batches: the check is one process's."""
     canvases = [list(c) for c in cfg.model.canvas_sizes]
     if not (cfg.train.compile_backbone and canvases) or cfg.eval.tta.sizes or len(dataset) == 0:
         return None

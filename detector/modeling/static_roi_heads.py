@@ -2,8 +2,8 @@
 
 ``static_roi_losses`` is ``ROIHeads.forward`` in training for padded proposals and
 ground truth: the same sampling (``ROIHeads.sample_padded``), the same losses and
-normalisation (``ROIHeads.losses``). The multi-level RoIAlign pools every RoI on every
-level with torchvision's kernel and keeps each RoI's own level (``static_roi_align``):
+normalisation (``ROIHeads.losses``). The multi-level RoIAlign calls torchvision's kernel
+once per level with every RoI and keeps each RoI's own level (``static_roi_align``):
 the eager pooler groups RoIs by level, whose group sizes are data. That costs one
 kernel launch per level instead of one in all, with the same values per RoI. In each
 level's call, the RoIs of the other levels are moved outside the feature map, where the
@@ -48,8 +48,9 @@ def static_roi_align(pooler: MultiLevelRoIAlign, features: List[Tensor], boxes: 
 def rois_on_level(rois: Tensor, mine: Tensor, scale: float) -> Tensor:
     """``rois`` ``[R, 5]`` with the boxes of RoIs not ``mine`` (``[R]`` bool) replaced by
     a point 4 feature cells above and left of the map (``-4 / scale`` image pixels), where
-    every sample of RoIAlign lies outside it: torchvision's kernels (and its deterministic
-    version) pool zeros there without reading the features, and add no gradient."""
+    every sample of RoIAlign lies outside it: torchvision's CPU and CUDA kernels pool zeros
+    there without reading the features and add no gradient (its deterministic Python
+    version, ``train.deterministic`` on CUDA, gives the same zeros and zero gradients)."""
     boxes = torch.where(mine[:, None], rois[:, 1:], -4.0 / scale)
     return torch.cat((rois[:, :1], boxes), dim=1)
 
