@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import pytest
 import torch
@@ -226,22 +224,3 @@ def test_the_trainer_warns_of_evaluation_batches_before_training(tiny_data, tmp_
     trainer.close()
     assert caplog.text.count("evaluation batches of ") == 1
 
-
-def test_the_eval_tool_warns_of_evaluation_batches_too(tiny_data, tmp_path, capsys, monkeypatch):
-    """tools/eval.py (``evaluate_command``) says it once before evaluating. torch.compile
-    is switched off here (the backbone runs eagerly): the line is what is tested."""
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    cfg = tiny_config(tiny_data, tmp_path / "run")
-    torch.save(build_model(cfg).state_dict(), tmp_path / "w.pth")
-    logs = [logging.getLogger(name) for name in ("detector", "py.warnings")]
-    saved = [(list(log.handlers), log.propagate, log.level) for log in logs]
-    try:
-        status = load_tool("eval").main([
-            "--config", str(TINY_CONFIG), "--weights", str(tmp_path / "w.pth"), *tiny_overrides(tiny_data, tmp_path / "run"),
-            "train.compile_backbone=true", "model.canvas_sizes=[[64,96],[96,64]]", "eval.images_per_gpu=2"])
-    finally:
-        logging.captureWarnings(False)
-        for log, (handlers, propagate, level) in zip(logs, saved):
-            log.handlers[:], log.propagate, log.level = handlers, propagate, level
-    log = " ".join(capsys.readouterr().out.split())  # the console log, its long lines wrapped
-    assert status == 0 and log.count("has no canvas for 1 of the 2 evaluation batches") == 1, log[-2000:]

@@ -31,7 +31,6 @@ from detector import distributed
 from detector.cli import Terminated
 from detector.config import load_config
 from detector.data import build_dataset, cache_in, resolve_num_classes
-from detector.data.canvases import warn_of_evaluation_canvases
 from detector.engine.log import setup_logging
 from detector.engine.run_folder import (RunFolder, check_output_dir, check_overwrite_keeps_weights,
                                         check_run_folder_apart_from_data)
@@ -141,8 +140,6 @@ def evaluate_command(config_file: str, weights: str, overrides: Sequence[str] = 
         dataset = build_dataset(cfg, "val", is_train=False)
         if cfg.model.num_classes is None:  # auto: the run's config.yaml holds the number; else the data's
             cfg = resolve_num_classes(cfg, dataset, split="val")
-        if info.rank == 0:
-            warn_of_evaluation_canvases(cfg, dataset)  # train.compile_backbone: batches that fit no canvas
         model = build_model(cfg)
         load_trained_weights(model, cfg, weights, dataset.class_names)
         model.to(info.device)
