@@ -105,7 +105,8 @@ DEMO_SIZES = ("data.shapes.num_train=8 data.shapes.num_val=4 solver.max_iter=2 s
 SMALL_TEST = ["input.min_size_test=128", "input.max_size_test=160"]
 RUN: List[Tuple[str, Dict[str, str], List[str]]] = [
     (r"^make demo$", {}, []),
-    (r"^python tools/eval\.py +--config runs/demo/config\.yaml --weights runs/demo/checkpoints/best\.pth", {}, []),
+    (r"^python tools/eval\.py +--config runs/demo/config\.yaml --weights runs/demo/checkpoints/best\.pth --output-dir",
+     {}, []),
     (r"^python tools/infer\.py --config runs/demo/config\.yaml --weights runs/demo/", {}, []),
     (r"^python tools/export\.py --config runs/demo/config\.yaml --weights runs/demo/", {}, []),
     (r"^tensorboard --logdir runs/$", {"--logdir runs/": "--version"}, []),  # a server: its start is checked
@@ -121,6 +122,8 @@ RUN: List[Tuple[str, Dict[str, str], List[str]]] = [
 # Commands not run here, and why. Each is still checked dry (test_commands_parse).
 NOT_RUN: List[Tuple[str, str]] = [
     (r"^make (test|test-fast)$", "the test suite itself (CI: .ci/run)"),
+    (r"^python tools/eval\.py --config runs/demo/config\.yaml --weights runs/demo/checkpoints/best\.pth$",
+     "the README's evaluation of the demo without its --output-dir: run as the README writes it"),
     (r"^make setup$|^python3 -m venv |pip install |pip download ", "installs from the network"),
     (r"^source \.venv/bin/activate$", "the shell's environment: the tests run with the venv's python"),
     (r"^\$ ", "a transcript: run by test_transcripts_match"),
