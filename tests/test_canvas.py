@@ -192,7 +192,7 @@ def test_evaluation_batches_are_the_test_loaders_batches(tiny_data, tmp_path, pe
     real = [batch_shape([tuple(img.shape[-2:]) for img in images], cfg.model.size_divisibility)
             for images, _ in build_test_loader(cfg, val, num_workers=0)]
     computed = evaluation_batches(val.records.arrays["heights"], val.records.arrays["widths"], cfg)
-    assert [(h, w) for h, w, _ in computed] == real and len(real) == -(-len(val) // per_gpu)
+    assert [(h, w) for _, h, w, _ in computed] == real and len(real) == -(-len(val) // per_gpu)
 
 
 def test_compiled_backbone_warns_of_evaluation_batches_that_fit_no_canvas(tiny_data, tmp_path, caplog):

@@ -28,11 +28,12 @@ def test_coverage_check_names_duplicates_and_missing():
         _check_coverage([1, 2, 3], [1, 2])
 
 
-def _torchrun(nproc: int, overrides, weights: Path, out: Path, expect_rc: int = 0, *launcher: str) -> str:
+def _eval_tool(launcher: list, overrides, weights: Path, out: Path, expect_rc: int = 0) -> str:
+    """``tools/eval.py`` started by ``launcher`` (``[python]``, or ``torchrun``'s command);
+    its output, after checking its exit status against ``expect_rc``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
-        str(ROOT / "tools" / "eval.py"), "--config", str(TINY_CONFIG),
+        *launcher, str(ROOT / "tools" / "eval.py"), "--config", str(TINY_CONFIG),
         "--weights", str(weights), "--output-dir", str(out), *overrides,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
@@ -40,14 +41,9 @@ def _torchrun(nproc: int, overrides, weights: Path, out: Path, expect_rc: int = 
     return proc.stdout + proc.stderr
 
 
-def _one_process(overrides, weights: Path, out: Path) -> str:
-    """``tools/eval.py`` as one plain process (no launcher, no process group)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(ROOT / "tools" / "eval.py"), "--config", str(TINY_CONFIG), "--weights", str(weights),
-           "--output-dir", str(out), *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+def _torchrun(nproc: int, overrides, weights: Path, out: Path, expect_rc: int = 0, *launcher: str) -> str:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher]
+    return _eval_tool(torchrun, overrides, weights, out, expect_rc)
 
 
 @pytest.mark.slow
@@ -68,7 +64,7 @@ def test_two_ranks_equal_one_rank(tmp_path):
     torch.manual_seed(123)
     torch.save(build_model(cfg).state_dict(), tmp_path / "w.pth")
 
-    log1 = _one_process(overrides, tmp_path / "w.pth", tmp_path / "one")
+    log1 = _eval_tool([sys.executable], overrides, tmp_path / "w.pth", tmp_path / "one")  # one plain process
     log2 = _torchrun(2, overrides, tmp_path / "w.pth", tmp_path / "two")
     assert "images per rank: [7]" in log1
     assert "images per rank: [4, 3]" in log2

@@ -142,6 +142,16 @@ def start(cmd: list) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def signal_launch(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to every process under ``proc`` (a launch's ranks and their workers, which
+    run in sessions of their own), the deepest first."""
+    for pid in reversed(descendants(proc.pid)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def finish(proc: subprocess.Popen, timeout_s: float = LAUNCH_TIMEOUT_S) -> str:
     """``proc``'s output; it must exit 0 within ``timeout_s``. A launch still running then
     fails the test with every process's Python stacks: its workers (in sessions of their
@@ -149,11 +159,7 @@ def finish(proc: subprocess.Popen, timeout_s: float = LAUNCH_TIMEOUT_S) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        for pid in reversed(descendants(proc.pid)):
-            try:
-                os.kill(pid, signal.SIGABRT)
-            except ProcessLookupError:
-                pass
+        signal_launch(proc, signal.SIGABRT)
         try:
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
@@ -177,11 +183,7 @@ def test_ddp_syncbn_amp_resume_equals_straight_run(tmp_path, backend):
         first = finish(start(train_command(2, tmp_path / "resumed", data, backend, "solver.max_iter=5")))
         straight = finish(straight_proc)
     finally:
-        for pid in reversed(descendants(straight_proc.pid)):  # a failed first half: no orphaned ranks
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_launch(straight_proc, signal.SIGKILL)  # a failed first half: no orphaned ranks
         if straight_proc.poll() is None:
             straight_proc.kill()
             straight_proc.communicate()

@@ -161,19 +161,19 @@ def check_canvases(cfg: Config, dataset: DetectionDataset) -> None:
             logger.warning("%s", problem)
 
 
-def evaluation_batches(heights: np.ndarray, widths: np.ndarray, cfg: Config) -> List[Tuple[int, int, List[int]]]:
+def evaluation_batches(heights: np.ndarray, widths: np.ndarray, cfg: Config) -> List[Tuple[str, int, int, List[int]]]:
     """The padded shape of each evaluation batch of one process, in data-set order:
     ``eval.images_per_gpu`` consecutive images resized to ``input.min_size_test`` capped
     at ``input.max_size_test`` (as the eval pipeline does), the batch's largest height by
-    its largest width rounded up to ``model.size_divisibility``: ``[(H, W, [image
-    indices that set H and W])]``, pixels."""
+    its largest width rounded up to ``model.size_divisibility``, as ``largest_batches``
+    gives them: ``[("evaluation batch", H, W, [image indices that set H and W])]``, pixels."""
     d, n = cfg.model.size_divisibility, cfg.eval.images_per_gpu
     new_h, new_w = resized_sizes(heights, widths, cfg.input.min_size_test, cfg.input.max_size_test)
     out = []
     for start in range(0, len(new_h), n):
         h, w = new_h[start:start + n], new_w[start:start + n]
         tallest, widest = start + int(np.argmax(h)), start + int(np.argmax(w))
-        out.append((int(padded(h.max(), d)), int(padded(w.max(), d)), sorted({tallest, widest})))
+        out.append(("evaluation batch", int(padded(h.max(), d)), int(padded(w.max(), d)), sorted({tallest, widest})))
     return out
 
 
@@ -191,12 +191,12 @@ def warn_of_evaluation_canvases(cfg: Config, dataset: DetectionDataset) -> Optio
         return None
     heights, widths = dataset.records.arrays["heights"], dataset.records.arrays["widths"]
     batches = evaluation_batches(heights, widths, cfg)
-    unheld = [b for b in batches if not _fits(b[0], b[1], canvases)]
+    unheld = [b for b in batches if not _fits(b[1], b[2], canvases)]
     if not unheld:
         return None
-    h, w, idx = unheld[0]
+    _, h, w, idx = unheld[0]
     images = " and ".join(f"{dataset.records.path(i)} ({int(heights[i])}x{int(widths[i])})" for i in idx)
-    extra = canvases_that_hold([("", bh, bw, []) for bh, bw, _ in unheld])
+    extra = canvases_that_hold(unheld)
     line = (f"train.compile_backbone: model.canvas_sizes {canvases} has no canvas for {len(unheld)} of the "
             f"{len(batches)} evaluation batches of {dataset.source} (eval.images_per_gpu={cfg.eval.images_per_gpu}, "
             f"shorter side input.min_size_test={cfg.input.min_size_test}, longer up to "
