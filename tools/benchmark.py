@@ -13,6 +13,7 @@
     python tools/benchmark.py --config configs/demo_shapes.yaml --task static-check train.static_step=true \\
         "model.canvas_sizes=[[160,160]]" --json static.json   # one graph, no syncs (--iters batches)
     python tools/benchmark.py --config configs/demo_shapes.yaml --task nms   # proposal NMS: torchvision, scan, blocks
+    python tools/benchmark.py --config configs/demo_shapes.yaml --task roi-align   # box RoIAlign: torchvision's, ours
 
 Trailing key=value arguments override the config. See docs/performance.md.
 """
@@ -28,6 +29,7 @@ from _bootstrap import ROOT  # first: environment and sys.path, see tools/_boots
 
 from benchmarks import TASKS, format_summary, run_benchmark  # noqa: E402
 from benchmarks.nms_speed import benchmark_nms, format_nms  # noqa: E402
+from benchmarks.roi_align_speed import benchmark_roi_align, format_roi_align  # noqa: E402
 from benchmarks.scaling import ScalingSweep  # noqa: E402
 from benchmarks.static_check import format_static_check, static_check  # noqa: E402
 from detector.cli import output_file, run_tool, user_path  # noqa: E402
@@ -41,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=user_path,
                    help="YAML config (required, except --task time-to-accuracy: default configs/demo_shapes.yaml)")
-    p.add_argument("--task", required=True, choices=(*TASKS, "static-check", "nms"))
+    p.add_argument("--task", required=True, choices=(*TASKS, "static-check", "nms", "roi-align"))
     p.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--compare-torchvision", action="store_true", help="also time torchvision's FasterRCNN, alternating")
@@ -117,6 +119,9 @@ def benchmark(args: argparse.Namespace) -> int:
     elif args.task == "nms":
         result = benchmark_nms(load_config(args.config, args.overrides), args.iters, args.warmup)
         print(format_nms(result))
+    elif args.task == "roi-align":
+        result = benchmark_roi_align(load_config(args.config, args.overrides), args.iters, args.warmup)
+        print(format_roi_align(result))
     else:
         result = _run(args)
         print(format_summary(result))

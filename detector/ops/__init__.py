@@ -1,9 +1,10 @@
 """Hand-written speed code the model uses, each kept because it is at least 2x faster
 than the library operator it stands in for on a case users have, measured side by side
-in one process (docs/performance.md), and each giving the library operator's values:
+in one process (docs/performance.md), and each giving the library operator's values (to
+float rounding, where a sum runs in another order):
 
-- ``roi_align``, ``multi_level_roi_align``: torchvision's RoIAlign forward with a
-  vectorised (sparse-product) CPU backward;
+- ``roi_align``, ``multi_level_roi_align``: RoIAlign as a gather (``embedding_bag``)
+  and its transpose on the CPU where a gradient is needed; torchvision's op elsewhere;
 - ``stem_max_pool``: the ResNet stem's max pool without a gradient on the CPU.
 
 and ops the library lacks: ``soft_nms``, ``batched_soft_nms`` (Soft-NMS, Bodla et al. 2017).

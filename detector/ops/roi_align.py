@@ -1,28 +1,33 @@
-"""RoIAlign with torchvision's forward and a vectorised CPU backward.
+"""RoIAlign for the CPU training step: the bilinear sampling as a gather, forward and
+backward.
 
 A drop-in for ``torchvision.ops.roi_align`` (used by ``modeling.roi_heads.MultiLevelRoIAlign``).
 
-torchvision's CPU backward kernel recomputes the bilinear weights for every channel in
-scalar, single-threaded code; it is the second most expensive operator of a training
-step on CPU (16-21 % of the demo's step). Measured side by side in one process,
-forward + backward on the CPU with 2 threads: 2.6x torchvision's on the demo's 800 RoIs
-over 4 FPN levels, 1.9x on one R50-FPN level at 512 px (docs/performance.md). The weights depend only
-on the boxes, so the backward is one sparse-dense product,
+torchvision's CPU kernels loop in scalar code, on one thread: the forward interpolates
+every channel of every sample again, and the backward also recomputes the bilinear
+weights per channel. Over the demo's training step the two took a quarter of the step.
+The weights depend only on the boxes, so each output bin is a weighted sum of
+``K = 4 * sampling_ratio**2`` rows of the features laid out as a matrix
+``F[N*H*W, C]`` (channels last; over several FPN levels the levels' rows one after the
+other):
 
-    grad_input[N*H*W, C] = S[N*H*W, R*PH*PW] @ grad_output[R*PH*PW, C],
+    out[b, :] = sum_k weight[b, k] * F[index[b, k], :]          b = (roi, ph, pw)
 
-where column ``(r, ph, pw)`` of ``S`` holds the ``4 * sampling_ratio**2`` bilinear weights
-(divided by ``sampling_ratio**2``) of that bin's sampling points, computed exactly as
-torchvision's ``bilinear_interpolate_gradient``: a point with ``y < -1``, ``y > H``,
-``x < -1`` or ``x > W`` contributes nothing; otherwise it is clamped to ``>= 0``, and a
-point at or past the last row/column uses that row/column for both corners.
+which is ``torch.nn.functional.embedding_bag(index, F, per_sample_weights=weight)``. The
+backward is the transposed sum, each feature row gathering from the bins that read it
+(the ``index`` entries sorted by row, one more ``embedding_bag``).
 
-Over several FPN levels (``multi_level_roi_align``) the backward is one product for all
-levels: the rows of ``S`` run over the levels' feature maps one after the other.
+The weights are torchvision's ``bilinear_interpolate``: a point with ``y < -1``,
+``y > H``, ``x < -1`` or ``x > W`` contributes nothing; otherwise it is clamped to
+``>= 0``, and a point at or past the last row/column uses that row/column for both
+corners; each bin's weights are divided by ``sampling_ratio**2``. The values are
+torchvision's up to float rounding (the terms are summed in another order: a few ulp).
 
-The forward is torchvision's op itself, level by level (outputs bit-identical). CUDA tensors, dtypes
-other than float32/float64 (e.g. under bfloat16 autocast) and ``sampling_ratio <= 0``
-(adaptive grid, a different count per box) use torchvision's op for both passes.
+Only where a gradient is needed: without one (evaluation, inference, export) the op is
+torchvision's, so a trained model's outputs are torchvision's to the bit. CUDA tensors,
+dtypes other than float32/float64 (e.g. under bfloat16 autocast) and
+``sampling_ratio <= 0`` (adaptive grid, a different count per box) use torchvision's op
+for both passes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 import torchvision  # noqa: F401  (registers torch.ops.torchvision)
 from torch import Tensor
 from torchvision.ops import roi_align as tv_roi_align
@@ -44,107 +50,6 @@ def rois_for_kernel(rois: Tensor, features: Tensor) -> Tensor:
     if torch.is_autocast_enabled(features.device.type):
         return rois
     return rois.to(features.dtype)
-
-
-def sampling_matrix(
-    rois: Tensor, spatial_scale: float, feature_shape: Tuple[int, int, int, int],
-    pooled: Tuple[int, int], sampling_ratio: int, aligned: bool,
-) -> Tensor:
-    """The RoIAlign weights as a sparse COO matrix ``[N*H*W, R*PH*PW]``.
-
-    Args:
-        rois: ``[R, 5]`` float, ``(batch_index, x1, y1, x2, y2)`` in image pixels.
-        spatial_scale: feature-map size / image size (1 / stride).
-        feature_shape: ``(N, C, H, W)`` of the feature map.
-        pooled: ``(PH, PW)``.
-        sampling_ratio: sampling points per bin side (> 0).
-        aligned: shift boxes by -0.5 px (torchvision's ``aligned=True``).
-    """
-    n, _, height, width = feature_shape
-    ph_n, pw_n = pooled
-    sr = sampling_ratio
-    dtype, device = rois.dtype, rois.device
-    num = rois.shape[0]
-    offset = 0.5 if aligned else 0.0
-    batch = rois[:, 0].long()
-    x1 = rois[:, 1] * spatial_scale - offset
-    y1 = rois[:, 2] * spatial_scale - offset
-    roi_w = rois[:, 3] * spatial_scale - offset - x1
-    roi_h = rois[:, 4] * spatial_scale - offset - y1
-    if not aligned:  # torchvision forces malformed boxes to 1x1
-        roi_w = roi_w.clamp(min=1.0)
-        roi_h = roi_h.clamp(min=1.0)
-
-    def axis(start: Tensor, roi_size: Tensor, bins: int, size: int) -> Tuple[Tensor, Tensor]:
-        """Corner indices [R, bins, sr, 2] (low, high) and their weights along one axis."""
-        bin_size = roi_size / bins
-        p = torch.arange(bins, dtype=dtype, device=device)
-        i = torch.arange(sr, dtype=dtype, device=device)
-        # Same operation order as torchvision: start + p * bin + (i + .5) * bin / sr.
-        c = (start[:, None, None] + p[None, :, None] * bin_size[:, None, None]
-             + (i[None, None, :] + 0.5) * bin_size[:, None, None] / sr)
-        inside = (c >= -1.0) & (c <= size)
-        c = c.clamp(min=0.0)
-        low = c.long()
-        last = low >= size - 1
-        low = torch.where(last, size - 1, low)
-        high = torch.where(last, size - 1, low + 1)
-        c = torch.where(last, low.to(dtype), c)
-        frac = c - low.to(dtype)
-        index = torch.stack((low, high), dim=-1)
-        weight = torch.stack((1.0 - frac, frac), dim=-1) * inside[..., None]
-        return index, weight
-
-    yi, wy = axis(y1, roi_h, ph_n, height)
-    xi, wx = axis(x1, roi_w, pw_n, width)
-    # Broadcast to [R, PH, PW, sr_y, sr_x, 2 (y corner), 2 (x corner)].
-    flat = (batch.view(-1, 1, 1, 1, 1, 1, 1) * (height * width)
-            + yi[:, :, None, :, None, :, None] * width + xi[:, None, :, None, :, None, :])
-    weight = wy[:, :, None, :, None, :, None] * wx[:, None, :, None, :, None, :] / float(sr * sr)
-    column = torch.arange(num * ph_n * pw_n, device=device).view(num, ph_n, pw_n, 1, 1, 1, 1).expand_as(flat)
-    indices = torch.stack((flat.reshape(-1), column.reshape(-1)))
-    return torch.sparse_coo_tensor(indices, weight.reshape(-1), (n * height * width, num * ph_n * pw_n),
-                                   check_invariants=False)
-
-
-class _RoIAlignSparseBackward(torch.autograd.Function):
-    """torchvision's forward; backward as ``S @ grad_output`` (see the module doc)."""
-
-    @staticmethod
-    def forward(ctx, features: Tensor, rois: Tensor, spatial_scale: float, pooled_h: int, pooled_w: int,
-                sampling_ratio: int, aligned: bool) -> Tensor:
-        ctx.save_for_backward(rois)
-        ctx.shape = tuple(features.shape)
-        ctx.params = (spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned)
-        return torch.ops.torchvision.roi_align(features, rois, spatial_scale, pooled_h, pooled_w, sampling_ratio,
-                                               aligned)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        (rois,) = ctx.saved_tensors
-        n, c, h, w = ctx.shape
-        spatial_scale, pooled_h, pooled_w, sampling_ratio, aligned = ctx.params
-        s = sampling_matrix(rois, spatial_scale, ctx.shape, (pooled_h, pooled_w), sampling_ratio, aligned)
-        g = grad_output.to(rois.dtype).permute(0, 2, 3, 1).reshape(-1, c)  # [R*PH*PW, C]
-        grad = torch.sparse.mm(s, g).view(n, h, w, c).permute(0, 3, 1, 2)  # NCHW view of NHWC memory
-        return grad.to(grad_output.dtype), None, None, None, None, None, None
-
-
-def roi_align(input: Tensor, boxes: Tensor, output_size: Union[int, Tuple[int, int]],
-              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
-    """``torchvision.ops.roi_align`` (same arguments; ``boxes`` as a ``[K, 5]`` tensor)
-    with the sparse backward on CPU for float32/float64 features when
-    ``sampling_ratio > 0`` and a gradient is needed.
-
-    Returns ``[K, C, PH, PW]``."""
-    if (input.device.type != "cpu" or sampling_ratio <= 0 or not isinstance(boxes, Tensor)
-            or input.dtype not in (torch.float32, torch.float64)
-            or not (torch.is_grad_enabled() and input.requires_grad)):
-        return tv_roi_align(input, boxes, output_size, spatial_scale, sampling_ratio, aligned)
-    ph, pw = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
-    rois = boxes.to(input.dtype) if boxes.dtype != input.dtype else boxes
-    return _RoIAlignSparseBackward.apply(input, rois, float(spatial_scale), int(ph), int(pw),
-                                         int(sampling_ratio), bool(aligned))
 
 
 def _axis(start: Tensor, roi_size: Tensor, bins: int, sr: int, size_f: Tensor, size_i: Tensor) -> Tuple[Tensor, Tensor]:
@@ -170,18 +75,26 @@ def _axis(start: Tensor, roi_size: Tensor, bins: int, sr: int, size_f: Tensor, s
     return index, weight
 
 
-def multi_level_sampling_matrix(
+def sampling_points(
     rois: Tensor, levels: Tensor, scales: Sequence[float], shapes: Sequence[Tuple[int, int, int, int]],
     pooled: Tuple[int, int], sampling_ratio: int, aligned: bool,
-) -> Tensor:
-    """The RoIAlign weights of RoIs pooled from several levels, as one sparse COO matrix
-    ``[sum_l N*H_l*W_l, R*PH*PW]`` (rows: level 0's ``[N, H, W]`` positions, then level 1's, ...).
+) -> Tuple[Tensor, Tensor]:
+    """The rows and weights each output bin sums (see the module doc).
 
     Args:
         rois: ``[R, 5]`` float ``(batch_index, x1, y1, x2, y2)`` in image pixels.
         levels: ``[R]`` int64 index into ``scales``/``shapes`` of each RoI's level.
-        scales: per level, feature-map size / image size.
+        scales: per level, feature-map size / image size (1 / stride).
         shapes: per level ``(N, C, H, W)``.
+        pooled: ``(PH, PW)``.
+        sampling_ratio: sampling points per bin side (> 0).
+        aligned: shift boxes by -0.5 px (torchvision's ``aligned=True``).
+
+    Returns:
+        ``index [R*PH*PW, K]`` (int32, or int64 past 2**31 rows): rows of the levels'
+        channels-last features stacked (level 0's ``[N, H, W]`` positions, then level
+        1's, ...); ``weight [R*PH*PW, K]`` in ``rois.dtype``; ``K = 4 * sampling_ratio**2``,
+        bins in ``(roi, ph, pw)`` order.
     """
     ph_n, pw_n = pooled
     sr = sampling_ratio
@@ -202,41 +115,84 @@ def multi_level_sampling_matrix(
     if not aligned:  # torchvision forces malformed boxes to 1x1
         roi_w = roi_w.clamp(min=1.0)
         roi_h = roi_h.clamp(min=1.0)
-    yi, wy = _axis(y1, roi_h, ph_n, sr, height_f, height)
-    xi, wx = _axis(x1, roi_w, pw_n, sr, width_f, width)
-    # Broadcast to [R, PH, PW, sr_y, sr_x, 2 (y corner), 2 (x corner)].
-    start = (base + rois[:, 0].long() * (height * width)).view(-1, 1, 1, 1, 1, 1, 1)
-    flat = start + yi[:, :, None, :, None, :, None] * width.view(-1, 1, 1, 1, 1, 1, 1) + xi[:, None, :, None, :, None, :]
-    weight = wy[:, :, None, :, None, :, None] * wx[:, None, :, None, :, None, :] / float(sr * sr)
-    column = torch.arange(num * ph_n * pw_n, device=device).view(num, ph_n, pw_n, 1, 1, 1, 1).expand_as(flat)
-    indices = torch.stack((flat.reshape(-1), column.reshape(-1)))
-    return torch.sparse_coo_tensor(indices, weight.reshape(-1), (rows, num * ph_n * pw_n), check_invariants=False)
+    yi, wy = _axis(y1, roi_h, ph_n, sr, height_f, height)  # [R, PH, sr, 2]
+    xi, wx = _axis(x1, roi_w, pw_n, sr, width_f, width)  # [R, PW, sr, 2]
+    k = 2 * sr  # points (sample x corner) per bin along one axis
+    start = base + rois[:, 0].long() * (height * width)  # [R]: the RoI's image on its level
+    row_of_y = (start[:, None, None, None] + yi * width[:, None, None, None]).view(num, ph_n, 1, k, 1)
+    index = (row_of_y + xi.view(num, 1, pw_n, 1, k)).to(torch.int32 if rows < 2**31 else torch.int64)
+    weight = (wy / float(sr * sr)).view(num, ph_n, 1, k, 1) * wx.view(num, 1, pw_n, 1, k)
+    return index.view(num * ph_n * pw_n, k * k), weight.view(num * ph_n * pw_n, k * k)
 
 
-class _MultiLevelRoIAlign(torch.autograd.Function):
-    """torchvision's forward level by level; one sparse backward for all levels."""
+def gather_backward(index: Tensor, weight: Tensor, grad: Tensor, rows: int) -> Tensor:
+    """The gradient of ``embedding_bag(index, F, per_sample_weights=weight)`` with
+    respect to ``F [rows, C]``, for ``grad [B, C]`` of its output: each row of ``F`` sums
+    ``weight * grad[b]`` over the entries ``(b, k)`` with ``index[b, k] == row``, found by
+    one stable sort of ``index`` (deterministic: the same order on every run).
+
+    Returns ``[rows, C]`` in ``grad.dtype``."""
+    k = index.shape[1]
+    keys, order = torch.sort(index.reshape(-1), stable=True)
+    offsets = torch.searchsorted(keys, torch.arange(rows + 1, dtype=keys.dtype, device=keys.device))
+    bins = torch.div(order, k, rounding_mode="floor")
+    return F.embedding_bag(bins, grad.contiguous(), offsets, mode="sum", include_last_offset=True,
+                           per_sample_weights=weight.reshape(-1)[order].to(grad.dtype))
+
+
+class _GatherRoIAlign(torch.autograd.Function):
+    """RoIAlign over one or more levels as a gather and its transpose (module doc)."""
 
     @staticmethod
-    def forward(ctx, rois: Tensor, levels: Tensor, scales: Tuple[float, ...], pooled: Tuple[int, int],
-                sampling_ratio: int, aligned: bool, *features: Tensor) -> Tensor:
-        ctx.save_for_backward(rois, levels)
+    def forward(ctx, index: Tensor, weight: Tensor, *features: Tensor) -> Tensor:
+        c = features[0].shape[1]
+        rows = torch.cat([f.permute(0, 2, 3, 1).reshape(-1, c) for f in features])  # [sum N*H*W, C]
+        ctx.save_for_backward(index, weight)
         ctx.shapes = [tuple(f.shape) for f in features]
-        ctx.params = (scales, pooled, sampling_ratio, aligned)
-        return _pool_level_by_level(features, rois, levels, pooled, scales, sampling_ratio, aligned)
+        return F.embedding_bag(index, rows, per_sample_weights=weight.to(rows.dtype), mode="sum")  # [B, C]
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        rois, levels = ctx.saved_tensors
-        scales, pooled, sampling_ratio, aligned = ctx.params
-        s = multi_level_sampling_matrix(rois, levels, scales, ctx.shapes, pooled, sampling_ratio, aligned)
+        index, weight = ctx.saved_tensors
         c = ctx.shapes[0][1]
-        g = grad_output.to(rois.dtype).permute(0, 2, 3, 1).reshape(-1, c)  # [R*PH*PW, C]
-        grad = torch.sparse.mm(s, g).to(grad_output.dtype)  # [sum N*H*W, C]
+        grad = gather_backward(index, weight, grad_output, sum(n * h * w for n, _, h, w in ctx.shapes))
         grads, start = [], 0
         for n, _, h, w in ctx.shapes:
             grads.append(grad[start:start + n * h * w].view(n, h, w, c).permute(0, 3, 1, 2))  # NCHW view of NHWC
             start += n * h * w
-        return (None, None, None, None, None, None, *grads)
+        return (None, None, *grads)
+
+
+def _gather_roi_align(features: Sequence[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
+                      scales: Sequence[float], sampling_ratio: int, aligned: bool) -> Tensor:
+    """``[R, C, PH, PW]`` (a view of channels-last memory) through :class:`_GatherRoIAlign`."""
+    rois = rois.to(features[0].dtype)
+    index, weight = sampling_points(rois, levels, scales, [tuple(f.shape) for f in features], tuple(output_size),
+                                    sampling_ratio, aligned)
+    out = _GatherRoIAlign.apply(index, weight, *features)
+    ph, pw = output_size
+    return out.view(rois.shape[0], ph, pw, features[0].shape[1]).permute(0, 3, 1, 2)
+
+
+def _gather_applies(features: Sequence[Tensor], sampling_ratio: int) -> bool:
+    """The gather runs where a gradient is needed, on CPU float32/float64 features of one
+    dtype, with a fixed sampling grid; everywhere else torchvision's op does."""
+    return (torch.is_grad_enabled() and any(f.requires_grad for f in features) and sampling_ratio > 0
+            and len({f.dtype for f in features}) == 1
+            and all(f.device.type == "cpu" and f.dtype in (torch.float32, torch.float64) for f in features))
+
+
+def roi_align(input: Tensor, boxes: Tensor, output_size: Union[int, Tuple[int, int]],
+              spatial_scale: float = 1.0, sampling_ratio: int = -1, aligned: bool = False) -> Tensor:
+    """``torchvision.ops.roi_align`` (same arguments; ``boxes`` as a ``[K, 5]`` tensor),
+    through the gather on the CPU where a gradient is needed (module doc).
+
+    Returns ``[K, C, PH, PW]``."""
+    if not isinstance(boxes, Tensor) or not _gather_applies([input], sampling_ratio):
+        return tv_roi_align(input, boxes, output_size, spatial_scale, sampling_ratio, aligned)
+    size = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
+    levels = torch.zeros(boxes.shape[0], dtype=torch.int64, device=boxes.device)
+    return _gather_roi_align([input], boxes, levels, size, [float(spatial_scale)], int(sampling_ratio), bool(aligned))
 
 
 def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
@@ -245,28 +201,24 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
     index into ``features`` (per level ``[N, C, H_l, W_l]``) and ``scales``; every level is
     in ``[0, len(features))`` (``MultiLevelRoIAlign.level_of`` clamps), so every row is written.
 
-    On CPU with float32/float64 features, ``sampling_ratio > 0`` and a gradient needed, the
-    backward is one sparse product for all levels; otherwise ``roi_align`` level by level.
+    Through the gather where it applies (one for all levels), otherwise torchvision's
+    ``roi_align`` level by level.
 
-    Returns ``[R, C, PH, PW]``, torchvision's values."""
-    needs_grad = torch.is_grad_enabled() and any(f.requires_grad for f in features)
-    sparse = (needs_grad and sampling_ratio > 0 and len({f.dtype for f in features}) == 1
-              and all(f.device.type == "cpu" and f.dtype in (torch.float32, torch.float64) for f in features))
-    if sparse:
-        rois = rois.to(features[0].dtype)
-        return _MultiLevelRoIAlign.apply(rois, levels, tuple(float(s) for s in scales), tuple(output_size),
-                                         int(sampling_ratio), bool(aligned), *features)
+    Returns ``[R, C, PH, PW]``."""
+    if _gather_applies(features, sampling_ratio):
+        return _gather_roi_align(features, rois, levels, tuple(output_size), scales, int(sampling_ratio),
+                                 bool(aligned))
     return _pool_level_by_level(features, rois, levels, output_size, scales, sampling_ratio, aligned)
 
 
 def _pool_level_by_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
                          scales: Sequence[float], sampling_ratio: int, aligned: bool) -> Tensor:
-    """:func:`roi_align` of each level's RoIs on its level, written into ``[R, C, PH, PW]``
-    in RoI order (dtype of ``features[0]``). Traceable: the level split stays in the graph."""
+    """torchvision's ``roi_align`` of each level's RoIs on its level, written into
+    ``[R, C, PH, PW]`` in RoI order (dtype of ``features[0]``). Traceable: the level split
+    stays in the graph."""
     out = features[0].new_zeros((rois.shape[0], features[0].shape[1]) + tuple(output_size))
     for level, (feat, scale) in enumerate(zip(features, scales)):
         idx = torch.where(levels == level)[0]
-        pooled = roi_align(feat, rois_for_kernel(rois[idx], feat), output_size, scale, sampling_ratio, aligned)
+        pooled = tv_roi_align(feat, rois_for_kernel(rois[idx], feat), output_size, scale, sampling_ratio, aligned)
         out.index_put_((idx,), pooled.to(out.dtype))  # not out[idx] = ...: traced, that bakes in len(idx) == 1
     return out
-
