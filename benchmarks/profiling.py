@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from typing import Any, Dict, Iterable, Optional
 
@@ -11,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from detector.config import Config
 from detector.distributed import resolve_device
+from detector.evaluation.inference import inference_run
 
 from .batches import cached_batches
 from .steps import build_ours, make_step
@@ -117,13 +119,15 @@ def _profile_step(cfg: Config, device: torch.device, warmup: int, row_limit: int
     batches = cached_batches(cfg, task == "train", 2, synthetic, pin=device.type == "cuda")
     model = build_torchvision_model(cfg).to(device) if torchvision_model else build_ours(cfg, device)
     step, _ = make_step(model, cfg, device, task, torchvision_model)
-    for i in range(warmup):
-        step(batches[i % len(batches)])
-    synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step(batches[0])
+    # Inference batches run as run_inference runs them (autocast's weight casts kept).
+    with inference_run(device, cfg.eval.amp) if task == "infer" else contextlib.nullcontext():
+        for i in range(warmup):
+            step(batches[i % len(batches)])
         synchronize(device)
+        with profile(activities=activities) as prof:
+            step(batches[0])
+            synchronize(device)
     if trace_path:
         prof.export_chrome_trace(trace_path)
     sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"

@@ -105,15 +105,18 @@ def make_ours_train_step(model: nn.Module, cfg: Config, device: torch.device,
 
 
 def make_infer_step(model: nn.Module, cfg: Config, device: torch.device, torchvision_api: bool) -> Callable[[Batch], Any]:
-    """One inference batch under ``torch.inference_mode`` (autocast if ``eval.amp``)."""
+    """One inference batch (autocast if ``eval.amp``): torchvision's under
+    ``torch.inference_mode``, as its reference evaluation runs; ours as
+    ``detector.evaluation.run_inference`` runs a batch, to be called inside
+    ``inference_run`` (without it, under ``no_grad`` and with each batch's weight casts)."""
+    dtype = torch.bfloat16 if device.type == "cpu" else torch.float16
 
     def step(batch: Batch) -> Any:
         images, _ = batch
-        with torch.inference_mode():
+        with torch.inference_mode() if torchvision_api else torch.no_grad():
             if torchvision_api:
                 images = _tv_images(images, device)
-            ctx = torch.autocast(device.type, dtype=torch.bfloat16 if device.type == "cpu" else torch.float16) if cfg.eval.amp else contextlib.nullcontext()
-            with ctx:
+            with torch.autocast(device.type, dtype=dtype) if cfg.eval.amp else contextlib.nullcontext():
                 return model(images)
 
     return step

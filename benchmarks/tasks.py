@@ -4,6 +4,7 @@ the eager model (``tools/export.py --time N``)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -22,6 +23,7 @@ from detector.data.loader import build_train_loader
 from detector.distributed import resolve_device
 from detector.evaluation.coco import COCO_METRIC_NAMES, coco_evaluate
 from detector.evaluation import score_detections
+from detector.evaluation.inference import inference_run
 from detector.modeling.export import load_exported
 from detector.modeling.faster_rcnn import FasterRCNN
 
@@ -95,7 +97,9 @@ def benchmark_model(
     runners, skipped = _runners(models, batches, cfg, device, task)
     # torchvision's reference loop stops at a non-finite loss (make_train_step raises):
     # its runner leaves, ours goes on and the result says why there is no ratio.
-    run_interleaved(runners, iters, warmup, stop_on=(FloatingPointError,))
+    # Inference: the run of batches as run_inference holds it (autocast's weight casts kept).
+    with inference_run(device, cfg.eval.amp) if not is_train else contextlib.nullcontext():
+        run_interleaved(runners, iters, warmup, stop_on=(FloatingPointError,))
     out["runs"] = {r.name: r.summary() for r in runners}
     if is_train:  # ours's steps skipped as non-finite, warm-up included (timed all the same)
         out["ours_nonfinite_steps"] = int(skipped["ours"])

@@ -1,0 +1,70 @@
+"""``detector.evaluation.inference.inference_run``: with ``eval.amp`` a run of batches casts
+each weight once (autocast's weight cache, held open over the run), gives the values of
+casting per batch, and sees weights changed between runs (the trainer's evaluations)."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from detector.evaluation.inference import inference_run
+from detector.modeling import build_model
+
+
+def _batch_casts(model, images, held: bool) -> tuple:
+    """Outputs of the second of two batches and its count of ``aten::_to_copy``, each
+    batch under its own bfloat16 autocast, inside ``inference_run`` or not."""
+    run = inference_run(torch.device("cpu"), amp=True) if held else torch.no_grad()
+    with run:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(images)
+        with profile(activities=[ProfilerActivity.CPU]) as prof, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(images)
+    casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    return out, casts
+
+
+def test_amp_run_casts_weights_once_with_the_same_outputs(tiny_cfg):
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg()).eval()
+    images = [torch.rand(3, 48, 64), torch.rand(3, 40, 56)]
+    per_batch, casts_per_batch = _batch_casts(model, images, held=False)
+    held, casts_held = _batch_casts(model, images, held=True)
+    weights = sum(1 for m in model.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)))
+    assert casts_per_batch - casts_held >= weights  # at least each conv/linear weight's cast is gone
+    for a, b in zip(per_batch, held):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_weights_changed_between_runs_are_seen():
+    """The cache lives for one run: a weight changed in place afterwards (a training step
+    between two evaluations) is cast again in the next run."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    device = torch.device("cpu")
+
+    def run() -> torch.Tensor:
+        with inference_run(device, amp=True):
+            outs = []
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    outs.append(layer(x))
+        assert torch.equal(outs[0], outs[1])
+        return outs[1]
+
+    first = run()
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)
+    second = run()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer(x)
+    assert torch.equal(second, expected) and not torch.equal(second, first)
+
+
+def test_without_amp_the_run_is_inference_mode():
+    with inference_run(torch.device("cpu"), amp=False):
+        assert torch.is_inference_mode_enabled()
+    with inference_run(torch.device("cpu"), amp=True):
+        assert not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        assert not torch.is_autocast_enabled("cpu")  # held open, itself off: the loader's work is not autocast
