@@ -8,11 +8,12 @@ import sys
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torchvision.ops import roi_align as tv_roi_align
 
 from detector.modeling.roi_heads import MultiLevelRoIAlign
-from detector.modeling.static_roi_heads import rois_on_level, static_roi_align
-from detector.ops.roi_align import multi_level_roi_align, roi_align
+from detector.modeling.static_roi_heads import static_roi_align
+from detector.ops.roi_align import multi_level_roi_align, pool_every_level, roi_align, rois_on_level
 
 from conftest import ROOT, TINY_CONFIG
 
@@ -234,3 +235,42 @@ def test_roi_align_task_times_both_ways_and_they_agree(tmp_path):
     assert res["rois"] == 2 * 32 and len(res["levels"]) == 4 and res["levels"][0][:2] == [2, 32]
     assert res["max_abs_diff"]["output"] < 1e-5 and res["max_abs_diff"]["gradient"] < 1e-4
     assert "torchvision / ours" in run.stdout
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_every_level_pooling_equals_level_by_level(grad):
+    """``pool_every_level`` (what the pooler does off the CPU: no ``nonzero``, no host
+    sync) gives torchvision's op level by level to the bit, and the same feature
+    gradients, for RoIs on all levels and a level with none."""
+    g = torch.Generator().manual_seed(8)
+    feats = [torch.randn(2, 4, 64 // s, 48 // s, generator=g).requires_grad_(grad) for s in (1, 2, 4, 8, 16)]
+    scales = [1.0, 0.5, 0.25, 0.125, 0.0625]
+    _, rois = _case(n=2, c=4, h=64, w=48, r=80, scale=1.0, seed=9)
+    levels = torch.randint(0, 4, (80,), generator=g)  # level 4 gets no RoI
+    with torch.set_grad_enabled(grad):
+        out = pool_every_level(feats, rois, levels, (5, 5), scales, 2, True)
+        ref = torch.zeros_like(out)
+        for lv, (f, s) in enumerate(zip(feats, scales)):
+            idx = torch.where(levels == lv)[0]
+            ref[idx] = tv_roi_align(f, rois[idx], 5, s, 2, True)
+    assert torch.equal(out, ref)
+    if grad:
+        grad_out = torch.randn(out.shape, generator=g)
+        for a, b in zip(torch.autograd.grad(out, feats, grad_out), torch.autograd.grad(ref, feats, grad_out)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_pooler_reads_nothing_back():
+    """On CUDA the eager pooler pools every level (no ``nonzero``) with the values of
+    torchvision's op on each level's RoIs."""
+    feat, rois = _case(n=2, c=8, h=32, w=40, r=90, scale=1.0)
+    feats = [feat.detach().cuda()[:, :, ::s, ::s].contiguous() for s in (1, 2, 4, 8)]
+    scales = [1.0, 0.5, 0.25, 0.125]
+    levels = torch.arange(90) % 4
+    rois, levels = rois.cuda(), levels.cuda()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = multi_level_roi_align(feats, rois, levels, (7, 7), scales, 2, False)
+    assert not any(e.key == "aten::nonzero" for e in prof.key_averages())
+    for lv, (f, s) in enumerate(zip(feats, scales)):
+        assert torch.equal(out[levels == lv], tv_roi_align(f, rois[levels == lv], 7, s, 2, False))

@@ -3,7 +3,8 @@
 ``static_roi_losses`` is ``ROIHeads.forward`` in training for padded proposals and
 ground truth: the same sampling (``ROIHeads.sample_padded``), the same losses and
 normalisation (``ROIHeads.losses``). The multi-level RoIAlign calls torchvision's kernel
-once per level with every RoI and keeps each RoI's own level (``static_roi_align``):
+once per level with every RoI and keeps each RoI's own level (``static_roi_align``,
+through ``ops.roi_align.pool_every_level``, which the eager pooler uses off the CPU too):
 the eager pooler groups RoIs by level, whose group sizes are data. That costs one
 kernel launch per level instead of one in all, with the same values per RoI. In each
 level's call, the RoIs of the other levels are moved outside the feature map, where the
@@ -21,7 +22,7 @@ from torch import Tensor
 from torchvision.ops import roi_align as tv_roi_align
 
 from .matching import PAD_BOX
-from ..ops.roi_align import rois_for_kernel
+from ..ops.roi_align import pool_every_level, rois_for_kernel
 from .roi_heads import MultiLevelRoIAlign, ROIHeads
 
 
@@ -35,24 +36,8 @@ def static_roi_align(pooler: MultiLevelRoIAlign, features: List[Tensor], boxes: 
     if len(features) == 1:
         return tv_roi_align(features[0], rois_for_kernel(rois, features[0]), pooler.output_size, pooler.scales[0],
                             pooler.sampling_ratio, pooler.aligned)
-    levels = pooler.level_of(concat)  # [R]
-    out = None
-    for level, (feat, scale) in enumerate(zip(features, pooler.scales)):
-        mine = levels == level  # [R]
-        pooled = tv_roi_align(feat, rois_for_kernel(rois_on_level(rois, mine, scale), feat), pooler.output_size,
-                              scale, pooler.sampling_ratio, pooler.aligned)
-        out = torch.where(mine[:, None, None, None], pooled, 0.0 if out is None else out)
-    return out
-
-
-def rois_on_level(rois: Tensor, mine: Tensor, scale: float) -> Tensor:
-    """``rois`` ``[R, 5]`` with the boxes of RoIs not ``mine`` (``[R]`` bool) replaced by
-    a point 4 feature cells above and left of the map (``-4 / scale`` image pixels), where
-    every sample of RoIAlign lies outside it: torchvision's CPU and CUDA kernels pool zeros
-    there without reading the features and add no gradient (its deterministic Python
-    version, ``train.deterministic`` on CUDA, gives the same zeros and zero gradients)."""
-    boxes = torch.where(mine[:, None], rois[:, 1:], -4.0 / scale)
-    return torch.cat((rois[:, :1], boxes), dim=1)
+    return pool_every_level(features, rois, pooler.level_of(concat), pooler.output_size, pooler.scales,
+                            pooler.sampling_ratio, pooler.aligned)
 
 
 def static_roi_losses(roi_heads: ROIHeads, features: List[Tensor], proposals: Tensor, proposals_valid: Tensor,

@@ -201,14 +201,45 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
     index into ``features`` (per level ``[N, C, H_l, W_l]``) and ``scales``; every level is
     in ``[0, len(features))`` (``MultiLevelRoIAlign.level_of`` clamps), so every row is written.
 
-    Through the gather where it applies (one for all levels), otherwise torchvision's
-    ``roi_align`` level by level.
+    Through the gather where it applies (one for all levels); else on the CPU
+    torchvision's ``roi_align`` on each level's RoIs (:func:`_pool_level_by_level`), and
+    on other devices on every RoI at every level (:func:`pool_every_level`: no host sync).
 
     Returns ``[R, C, PH, PW]``."""
     if _gather_applies(features, sampling_ratio):
         return _gather_roi_align(features, rois, levels, tuple(output_size), scales, int(sampling_ratio),
                                  bool(aligned))
+    if features[0].device.type != "cpu":
+        return pool_every_level(features, rois, levels, output_size, scales, sampling_ratio, aligned)
     return _pool_level_by_level(features, rois, levels, output_size, scales, sampling_ratio, aligned)
+
+
+def rois_on_level(rois: Tensor, mine: Tensor, scale: float) -> Tensor:
+    """``rois`` ``[R, 5]`` with the boxes of RoIs not ``mine`` (``[R]`` bool) replaced by
+    a point 4 feature cells above and left of the map (``-4 / scale`` image pixels), where
+    every sample of RoIAlign lies outside it: torchvision's CPU and CUDA kernels pool zeros
+    there without reading the features and add no gradient (its deterministic Python
+    version, ``train.deterministic`` on CUDA, gives the same zeros and zero gradients)."""
+    boxes = torch.where(mine[:, None], rois[:, 1:], -4.0 / scale)
+    return torch.cat((rois[:, :1], boxes), dim=1)
+
+
+def pool_every_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
+                     scales: Sequence[float], sampling_ratio: int, aligned: bool) -> Tensor:
+    """torchvision's ``roi_align`` of every RoI on every level, each RoI keeping its own
+    level's values (``levels`` ``[R]``): the others' RoIs are moved off the map
+    (:func:`rois_on_level`), so the kernels skip them. No shape depends on the data and
+    nothing is read back to the host (grouping the RoIs by level would be a ``nonzero``,
+    a host sync, per level); one launch per level over all R RoIs.
+
+    Returns ``[R, C, PH, PW]`` (the values of :func:`_pool_level_by_level`)."""
+    out = None
+    for level, (feat, scale) in enumerate(zip(features, scales)):
+        mine = levels == level  # [R]
+        pooled = tv_roi_align(feat, rois_for_kernel(rois_on_level(rois, mine, scale), feat), output_size, scale,
+                              sampling_ratio, aligned)
+        out = torch.where(mine[:, None, None, None], pooled, 0.0 if out is None else out)
+    return out
 
 
 def _pool_level_by_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
