@@ -226,14 +226,15 @@ def test_data_task_json(tmp_path):
         f"loader {loader['images_per_s']:.1f} img/s ({load_config(TINY).data.num_workers} workers)")
 
 
-@pytest.mark.slow  # ~30 s: 2 ranks x 3 sharing modes, each a fresh interpreter (a measurement tool, not torch's API)
+@pytest.mark.slow  # ~40 s: fresh interpreters for the parse, 2 ranks and 3 sharing modes (a measurement tool)
 def test_data_task_records_file(tmp_path):
     """``--records-file``: the records case on a COCO file (the shapes' train.json), parsed
-    in a fresh interpreter and read by 2 ranks x 1 worker."""
+    in a fresh interpreter and read by 2 ranks x 1 worker; ``--node-ranks 1``: the three
+    sharing modes on one rank (two ranks sharing one parse: test_record_cache.py)."""
     overrides = shapes_data(tmp_path, 12, 4)
     ann_file = tmp_path / "shapes" / "train.json"
     result = benchmark_json(tmp_path, "--task", "data", "--iters", "1", "--warmup", "0", "--records-file",
-                            str(ann_file), "--node-ranks", "2", "data.num_workers=1", *overrides)
+                            str(ann_file), "--node-ranks", "1", "data.num_workers=1", *overrides)
     records = result["records"]
     if "skipped" in records:
         pytest.skip(records["skipped"])

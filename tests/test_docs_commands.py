@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import io
 import os
 import re
@@ -203,10 +204,23 @@ def _tool_help(name: str) -> str:
     return out.getvalue()
 
 
+@functools.lru_cache(maxsize=None)
+def _module_help(module: str) -> str:
+    """``python -m benchmarks.X --help`` from the module's own ``main(argv)``, in this
+    process (as :func:`_tool_help`)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as info:
+        importlib.import_module(module).main(["--help"])
+    assert info.value.code == 0, f"python -m {module} --help exited {info.value.code}"
+    return out.getvalue()
+
+
 def _check_flags_in_help(program: List[str], argv: List[str], where: str) -> None:
     script = Path(program[-1])
     if script.parent == ROOT / "tools" and hasattr(load_tool(script.stem), "parse_args"):
         text = _tool_help(script.stem)
+    elif program[-2:-1] == ["-m"] and program[-1].startswith("benchmarks."):
+        text = _module_help(program[-1])
     else:
         proc = _help(tuple(program))
         assert proc.returncode == 0, f"{where}: {program} --help failed: {proc.stderr[-2000:]}"
