@@ -5,7 +5,7 @@ A drop-in for ``torchvision.ops.roi_align`` (used by ``modeling.roi_heads.MultiL
 
 torchvision's CPU kernels loop in scalar code, on one thread: the forward interpolates
 every channel of every sample again, and the backward also recomputes the bilinear
-weights per channel. Over the demo's training step the two took a quarter of the step.
+weights per channel: a quarter of torchvision's demo training step (one thread).
 The weights depend only on the boxes, so each output bin is a weighted sum of
 ``K = 4 * sampling_ratio**2`` rows of the features laid out as a matrix
 ``F[N*H*W, C]`` (channels last; over several FPN levels the levels' rows one after the
@@ -36,7 +36,6 @@ from typing import List, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-import torchvision  # noqa: F401  (registers torch.ops.torchvision)
 from torch import Tensor
 from torchvision.ops import roi_align as tv_roi_align
 
