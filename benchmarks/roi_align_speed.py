@@ -20,12 +20,12 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor
-from torchvision.ops import roi_align as tv_roi_align
 
 from detector.config import Config
 from detector.distributed import resolve_device
 from detector.modeling import build_model
 from detector.modeling.roi_heads import MultiLevelRoIAlign
+from detector.ops.roi_align import pool_level_by_level
 
 from .timing import Runner, machine_info, run_interleaved
 
@@ -49,14 +49,9 @@ def pooler_case(cfg: Config, pooler: MultiLevelRoIAlign, device: torch.device,
 
 def _torchvision_pool(pooler: MultiLevelRoIAlign, feats: List[Tensor], boxes: List[Tensor]) -> Tensor:
     """torchvision's ``MultiScaleRoIAlign``: its op on each level's RoIs, in RoI order."""
-    concat = torch.cat(boxes)
     rois = torch.cat([torch.cat((torch.full_like(b[:, :1], i), b), dim=1) for i, b in enumerate(boxes)])
-    levels = pooler.level_of(concat)
-    out = feats[0].new_zeros((rois.shape[0], feats[0].shape[1], *pooler.output_size))
-    for level, (feat, scale) in enumerate(zip(feats, pooler.scales)):
-        idx = torch.where(levels == level)[0]
-        out[idx] = tv_roi_align(feat, rois[idx], pooler.output_size, scale, pooler.sampling_ratio, pooler.aligned)
-    return out
+    return pool_level_by_level(feats, rois, pooler.level_of(rois[:, 1:]), pooler.output_size, pooler.scales,
+                               pooler.sampling_ratio, pooler.aligned)
 
 
 def benchmark_roi_align(cfg: Config, iters: int, warmup: int) -> Dict[str, Any]:

@@ -148,7 +148,7 @@ class _GatherRoIAlign(torch.autograd.Function):
         rows = torch.cat([f.permute(0, 2, 3, 1).reshape(-1, c) for f in features])  # [sum N*H*W, C]
         ctx.save_for_backward(index, weight)
         ctx.shapes = [tuple(f.shape) for f in features]
-        return F.embedding_bag(index, rows, per_sample_weights=weight.to(rows.dtype), mode="sum")  # [B, C]
+        return F.embedding_bag(index, rows, per_sample_weights=weight, mode="sum")  # [B, C]
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
@@ -165,7 +165,7 @@ class _GatherRoIAlign(torch.autograd.Function):
 def _gather_roi_align(features: Sequence[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
                       scales: Sequence[float], sampling_ratio: int, aligned: bool) -> Tensor:
     """``[R, C, PH, PW]`` (a view of channels-last memory) through :class:`_GatherRoIAlign`."""
-    rois = rois.to(features[0].dtype)
+    rois = rois.to(features[0].dtype)  # the weights follow, in the features' dtype
     index, weight = sampling_points(rois, levels, scales, [tuple(f.shape) for f in features], tuple(output_size),
                                     sampling_ratio, aligned)
     out = _GatherRoIAlign.apply(index, weight, *features)
@@ -201,7 +201,7 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
     in ``[0, len(features))`` (``MultiLevelRoIAlign.level_of`` clamps), so every row is written.
 
     Through the gather where it applies (one for all levels); else on the CPU
-    torchvision's ``roi_align`` on each level's RoIs (:func:`_pool_level_by_level`), and
+    torchvision's ``roi_align`` on each level's RoIs (:func:`pool_level_by_level`), and
     on other devices on every RoI at every level (:func:`pool_every_level`: no host sync).
 
     Returns ``[R, C, PH, PW]``."""
@@ -210,7 +210,7 @@ def multi_level_roi_align(features: List[Tensor], rois: Tensor, levels: Tensor, 
                                  bool(aligned))
     if features[0].device.type != "cpu":
         return pool_every_level(features, rois, levels, output_size, scales, sampling_ratio, aligned)
-    return _pool_level_by_level(features, rois, levels, output_size, scales, sampling_ratio, aligned)
+    return pool_level_by_level(features, rois, levels, output_size, scales, sampling_ratio, aligned)
 
 
 def rois_on_level(rois: Tensor, mine: Tensor, scale: float) -> Tensor:
@@ -231,7 +231,7 @@ def pool_every_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, o
     nothing is read back to the host (grouping the RoIs by level would be a ``nonzero``,
     a host sync, per level); one launch per level over all R RoIs.
 
-    Returns ``[R, C, PH, PW]`` (the values of :func:`_pool_level_by_level`)."""
+    Returns ``[R, C, PH, PW]`` (the values of :func:`pool_level_by_level`)."""
     out = None
     for level, (feat, scale) in enumerate(zip(features, scales)):
         mine = levels == level  # [R]
@@ -241,7 +241,7 @@ def pool_every_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, o
     return out
 
 
-def _pool_level_by_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
+def pool_level_by_level(features: Sequence[Tensor], rois: Tensor, levels: Tensor, output_size: Tuple[int, int],
                          scales: Sequence[float], sampling_ratio: int, aligned: bool) -> Tensor:
     """torchvision's ``roi_align`` of each level's RoIs on its level, written into
     ``[R, C, PH, PW]`` in RoI order (dtype of ``features[0]``). Traceable: the level split
