@@ -24,7 +24,7 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
   images), the proposal NMS alone (``--task nms``: torchvision's per-image
   ``batched_nms`` against ``static_nms``'s kernel and its blocked resolution), inference
   with ``eval.amp`` (profiled: the host's operators too, since that step is bound by
-  dispatch), the static step (and its operators per step against torchvision's,
+  dispatch) and with ``eval.static`` and ``eval.cuda_graphs`` (one graph per canvas), the static step (and its operators per step against torchvision's,
   ``--count-ops``), eager float16 (profiled) and the CUDA-graph step in float16 (its loss
   scale on the device), inference with the backbone compiled at canvases, then the
   recipe's training loader alone (``--task data``: decode, multi-scale resize, flip,
@@ -193,6 +193,9 @@ def plan() -> List[Run]:
         eight_43,
         _nms("nms-r50", 60),
         _bench("infer-r50-eval-amp", "infer", 90, "eval.amp=true", iters=10, warmup=3, profile=True),
+        # The inference goal's candidate: fixed shapes, one CUDA graph per canvas (eval.static).
+        _bench("infer-r50-static-graphs-amp", "infer", 90, "eval.amp=true", "eval.static=true", "eval.cuda_graphs=true",
+               CANVAS_R50_43, iters=10, warmup=3),
         _bench("train-r50-static-bf16-2img", "train", 180, *STATIC, CANVAS_R50, *BF16, two, count_ops=True),
         _bench("train-r50-eager-fp16-2img", "train", 90, *FP16, two, iters=10, warmup=3, profile=True),
         graphs_fp16,

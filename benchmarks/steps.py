@@ -15,6 +15,7 @@ from detector.engine.amp import resolve_amp
 from detector.engine.optim import build_lr_scheduler, build_optimizer
 from detector.engine.setup import apply_speed_options as engine_speed_options, configure_torch, prepare_model
 from detector.engine.step_choice import build_train_step
+from detector.evaluation.static_inference import StaticDetector, static_settings
 from detector.modeling import build_model
 
 from .batches import Batch
@@ -110,6 +111,8 @@ def make_infer_step(model: nn.Module, cfg: Config, device: torch.device, torchvi
     ``detector.evaluation.run_inference`` runs a batch, to be called inside
     ``inference_run`` (without it, under ``no_grad`` and with each batch's weight casts)."""
     dtype = torch.bfloat16 if device.type == "cpu" else torch.float16
+    settings = None if torchvision_api else static_settings(cfg)
+    forward = model if settings is None else StaticDetector(model, settings)  # eval.static, eval.cuda_graphs
 
     def step(batch: Batch) -> Any:
         images, _ = batch
@@ -117,7 +120,7 @@ def make_infer_step(model: nn.Module, cfg: Config, device: torch.device, torchvi
             if torchvision_api:
                 images = _tv_images(images, device)
             with torch.autocast(device.type, dtype=dtype) if cfg.eval.amp else contextlib.nullcontext():
-                return model(images)
+                return forward(images)
 
     return step
 

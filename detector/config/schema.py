@@ -388,6 +388,15 @@ class EvalConfig:
     # weights' metrics are logged as raw/<metric>); false: the raw ones (EMA as ema/<metric>).
     use_ema: bool = True
     tta: TTAConfig = field(default_factory=TTAConfig)
+    # Inference with fixed shapes and no host syncs (needs model.canvas_sizes; the eager
+    # detections, docs/evaluation.md): modeling/static_detect.py. cuda_graphs replays it
+    # as one CUDA graph per batch shape (CUDA only).
+    static: bool = False
+    cuda_graphs: bool = False
+    # eval.static: (RoI, class) candidates per image, best first, that enter the NMS; an
+    # image with more that keeps fewer than roi_heads.detections_per_img is counted and
+    # reported after the run.
+    static_candidates: int = field_(4096, ge=1, le=1000000)
 
 
 @dataclass

@@ -236,7 +236,7 @@ def validate_config(cfg: Config) -> None:
 def _check_canvas_keys(cfg: Config) -> None:
     """``model.canvas_sizes`` (distinct [height, width] multiples of the divisibility) and
     the keys that need them (``train.compile_backbone``, ``train.static_step``, and
-    ``train.cuda_graphs`` on the static step)."""
+    ``train.cuda_graphs`` on the static step; ``eval.static`` and its ``eval.cuda_graphs``)."""
     model = cfg.model
     d = model.size_divisibility
     for k, canvas in enumerate(model.canvas_sizes):
@@ -256,6 +256,16 @@ def _check_canvas_keys(cfg: Config) -> None:
         raise ConfigError("config key 'train.static_step' needs 'model.canvas_sizes' (the static step's batch shapes)")
     if cfg.train.cuda_graphs and not cfg.train.static_step:
         raise ConfigError("config key 'train.cuda_graphs' needs 'train.static_step: true'")
+    if cfg.eval.static and not model.canvas_sizes:
+        raise ConfigError("config key 'eval.static' needs 'model.canvas_sizes' (the batch shapes of its inference)")
+    if cfg.eval.cuda_graphs and not cfg.eval.static:
+        raise ConfigError("config key 'eval.cuda_graphs' needs 'eval.static: true'")
+    if cfg.eval.static and cfg.roi_heads.nms.type != "hard":
+        raise ConfigError("config key 'eval.static' runs greedy NMS: it cannot be combined with roi_heads.nms.type="
+                          f"{cfg.roi_heads.nms.type}")
+    if cfg.eval.static and cfg.eval.tta.sizes:
+        raise ConfigError("config key 'eval.static' cannot be true with eval.tta.sizes: TTA runs images at sizes the "
+                          "canvases do not fix")
 
 
 def _check_model_keys(cfg: Config) -> None:

@@ -28,6 +28,7 @@ from detector.files import atomic_write, output_folder
 from .input_files import output_paths
 from .plots import render
 from .results import Detections
+from .static_inference import StaticDetector, StaticSettings
 from .tta import TTASettings, tta_forward
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ def run_inference(
     progress: bool = True,
     skip_unmapped: bool = False,
     tta: Optional[TTASettings] = None,
+    static: Optional[StaticSettings] = None,
 ) -> InferenceOutput:
     """Run ``model`` in eval mode over ``loader``, under :func:`inference_run`.
 
@@ -175,6 +177,8 @@ def run_inference(
         skip_unmapped: leave out detections whose label ``label_to_category_id`` lacks
             (see :func:`detections_of_image`) instead of raising.
         tta: test-time augmentation (``detector.evaluation.tta``); None = one plain pass.
+        static: run the batches through a ``StaticDetector`` (``eval.static``, and
+            ``eval.cuda_graphs``: captured); None = the model's eager forward.
 
     The model's train/eval mode is restored afterwards.
     """
@@ -182,6 +186,7 @@ def run_inference(
     device = model_device(net)
     was_training = net.training
     net.eval()
+    static_detector = StaticDetector(net, static) if static is not None else None
     parts: List[Detections] = []
     image_ids: List[int] = []
     seconds: List[float] = []
@@ -193,7 +198,10 @@ def run_inference(
                 _sync(device)
                 start = time.perf_counter()
                 with _autocast(device, amp, amp_dtype):
-                    outputs = _forward(net, list(images), [t["orig_size"] for t in targets], tta)
+                    if static_detector is not None:
+                        outputs = static_detector(list(images))
+                    else:
+                        outputs = _forward(net, list(images), [t["orig_size"] for t in targets], tta)
                 _sync(device)
                 elapsed = time.perf_counter() - start
                 seconds.extend([elapsed / max(len(images), 1)] * len(images))
@@ -205,6 +213,8 @@ def run_inference(
                     image_ids.append(image_id)
     finally:
         net.train(was_training)
+    if static_detector is not None:
+        static_detector.report()
     return InferenceOutput(detections=Detections.concatenate(parts), image_ids=image_ids, seconds=seconds)
 
 

@@ -46,6 +46,7 @@ from .iou import confusion_matrix, group_by_image, iou_metrics
 from .plots import plot_confusion_matrix, plot_pr_curves
 from .eval_files import check_ground_truth
 from .results import Detections, as_detections, check_detection_ids, write_results_file
+from .static_inference import static_settings
 from .tta import tta_settings
 from .voc import VOCClassResult, mean_ap, voc_evaluate
 
@@ -275,7 +276,8 @@ def _infer_and_gather(model: nn.Module, loader: Any, label_to_category_id: Dict[
     out, loss_part, failure = None, None, None
     try:
         out = run_inference(model, loader, label_to_category_id, amp=cfg.eval.amp, amp_dtype=amp_dtype,
-                            progress=progress, skip_unmapped=skip_unmapped, tta=tta_settings(cfg))
+                            progress=progress, skip_unmapped=skip_unmapped, tta=tta_settings(cfg),
+                            static=static_settings(cfg))
         if cfg.eval.compute_val_loss:
             loss_part = compute_val_loss(model, loader, amp=cfg.eval.amp, amp_dtype=amp_dtype, progress=progress)
     except Exception as exc:

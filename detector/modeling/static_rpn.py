@@ -1,7 +1,7 @@
 """The RPN's proposals with fixed shapes and no host synchronisation (the static step).
 
-``static_proposals`` selects what ``RegionProposalNetwork.propose`` selects in training
-(top-k per level, decode, clip, small-box and score filters, NMS per level, the best
+``static_proposals`` selects what ``RegionProposalNetwork.propose`` selects (with the
+training top-k in training mode, the test top-k in eval mode: ``eval.static``): top-k per level, decode, clip, small-box and score filters, NMS per level, the best
 ``post_nms_topk`` of the image), but returns a fixed number of slots per image with a
 validity mask instead of a list of data-dependent lengths. Every shape depends on the
 batch shape (a canvas of ``model.canvas_sizes``) and the config only.
@@ -50,7 +50,7 @@ def _top_candidates(rpn: RegionProposalNetwork, anchors: List[Tensor], logits: L
                     deltas: List[Tensor]) -> tuple[List[Tensor], List[Tensor], List[int]]:
     """Per level the ``k_l`` best anchors of each image, decoded (one decode for all
     levels, as ``propose``): boxes ``[B, k_l, 4]``, sigmoid scores ``[B, k_l]``, the ``k_l``."""
-    pre_nms = rpn.pre_nms_topk[0]
+    pre_nms = rpn.pre_nms_topk[0 if rpn.training else 1]
     num_images = logits[0].shape[0]
     top_d, top_a, top_l, counts = [], [], [], []
     for anc, lg, dl in zip(anchors, logits, deltas):
@@ -78,7 +78,8 @@ def _pad_levels(parts: List[Tensor], count: int, value: float) -> Tensor:
 def static_proposals(rpn: RegionProposalNetwork, anchors: List[Tensor], logits: List[Tensor],
                      deltas: List[Tensor], image_sizes: Tensor,
                      nms_max_iters: int = DEFAULT_MAX_ITERS) -> StaticProposals:
-    """Training proposals of ``rpn`` with fixed shapes (see the module docstring).
+    """The proposals of ``rpn`` (training or test top-k, by its mode) with fixed shapes
+    (see the module docstring).
 
     Args:
         anchors: per level ``[T_l, 4]``; logits: per level ``[B, T_l]``; deltas: per
@@ -86,7 +87,7 @@ def static_proposals(rpn: RegionProposalNetwork, anchors: List[Tensor], logits: 
         image_sizes: ``[B, 2]`` ``(height, width)`` of each image before padding.
         nms_max_iters: ``static_nms``'s bound (``rpn.nms_max_iters``).
     """
-    post_nms = rpn.post_nms_topk[0]
+    post_nms = rpn.post_nms_topk[0 if rpn.training else 1]
     boxes, scores, counts = _top_candidates(rpn, anchors, logits, deltas)
     num_images, num_levels, top = logits[0].shape[0], len(counts), max(counts)
     b = clip_to_sizes(_pad_levels(boxes, top, 0.0).flatten(1, 2), image_sizes).view(num_images, num_levels, top, 4)

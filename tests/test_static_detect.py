@@ -1,0 +1,162 @@
+"""Inference with fixed shapes (``eval.static``, ``modeling.static_detect``,
+``evaluation.static_inference``): the eager forward's detections to the bit, no host
+read inside a batch, one compiled graph, the candidate cut flagged, the config's
+refusals, and (CUDA) the captured graphs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from benchmarks.static_check import SyncCounter
+from detector.config import ConfigError, load_config
+from detector.evaluation.inference import run_inference
+from detector.evaluation.static_inference import StaticDetector, StaticSettings
+from detector.modeling import build_model
+from detector.modeling.static_detect import detections_list, static_detect
+
+from conftest import TINY_CONFIG
+from test_static_step import random_batch
+
+CANVAS = "model.canvas_sizes=[[96,96]]"
+
+
+def eval_model(*overrides: str, logit_scale: float = 200.0):
+    """The tiny model in eval mode; its class logits scaled so that the random weights
+    give scores on both sides of the threshold (a random head scores every class ~1/4)."""
+    cfg = load_config(TINY_CONFIG, ["model.num_classes=3", CANVAS, *overrides])
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        model.roi_heads.box_predictor.cls_score.weight.mul_(logit_scale)
+    return model
+
+
+def static_of(model, images, max_candidates: int = 4096):
+    with torch.no_grad():
+        batch, sizes = model.preprocess(images)
+        return static_detect(model, batch, torch.tensor(sizes), max_candidates)
+
+
+def assert_equal_detections(eager, static, prefix: bool = False):
+    assert len(eager) == len(static)
+    for e, s in zip(eager, static):
+        n = len(s["boxes"]) if prefix else len(e["boxes"])
+        for key in ("boxes", "scores", "labels"):
+            assert torch.equal(e[key][:n], s[key]), key
+
+
+@pytest.mark.parametrize("seed,thresh", [(1, 0.05), (2, 0.3), (3, 0.7)])
+def test_static_detections_equal_the_eager_forward(seed, thresh):
+    model = eval_model(f"roi_heads.score_thresh={thresh}")
+    images, _ = random_batch(seed, images=3)
+    with torch.no_grad():
+        eager = model(images)
+    dets = static_of(model, images)
+    assert_equal_detections(eager, detections_list(dets))
+    counts = [len(e["boxes"]) for e in eager]
+    assert 0 < max(counts) < model.roi_heads.detections_per_img, counts  # the threshold decided
+    assert not dets.truncated.any() and not dets.nms_unconverged.any()
+
+
+def test_cut_candidates_keep_the_eager_prefix_and_flag_the_image():
+    model = eval_model("roi_heads.score_thresh=0.01", logit_scale=1.0)
+    images, _ = random_batch(4, images=3)
+    with torch.no_grad():
+        eager = model(images)
+    full = static_of(model, images)
+    cut = static_of(model, images, max_candidates=60)  # 200 proposals x 3 classes pass the threshold
+    assert_equal_detections(eager, detections_list(cut), prefix=True)
+    kept = cut.valid.sum(1)
+    assert torch.equal(cut.truncated, kept < model.roi_heads.detections_per_img)
+    assert cut.truncated.any() and not full.truncated.any()
+    generous = static_of(model, images, max_candidates=150)  # the cut lands after the 50th kept box
+    assert_equal_detections(eager, detections_list(generous))
+
+
+def test_a_batch_reads_nothing_on_the_host():
+    model = eval_model()
+    images, _ = random_batch(5, images=2)
+    with torch.no_grad():
+        batch, sizes = model.preprocess(images)
+        sizes = torch.tensor(sizes)
+        with SyncCounter() as eager:
+            model(images)
+        with SyncCounter() as static:
+            static_detect(model, batch, sizes, 4096)
+    assert eager.count > 0  # the counter sees the eager forward's reads
+    assert static.count == 0, static.names
+
+
+def test_one_compiled_graph_for_batches_of_other_images():
+    model = eval_model("rpn.pre_nms_topk_test=60", "rpn.post_nms_topk_test=30", "roi_heads.detections_per_img=10")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(lambda b, s: static_detect(model, b, s, 64), fullgraph=True, dynamic=False,
+                             backend="aot_eager")
+    with torch.no_grad():
+        for seed in (6, 7):
+            images, _ = random_batch(seed, images=2)
+            batch, sizes = model.preprocess(images)
+            sizes = torch.tensor(sizes)
+            for a, b in zip(static_detect(model, batch, sizes, 64), compiled(batch, sizes)):
+                assert torch.equal(a, b)
+    assert int(counters["stats"]["unique_graphs"]) == 1  # fullgraph: a break would have raised
+    assert not counters["graph_break"]
+
+
+def test_run_inference_with_eval_static_scores_as_eager(caplog):
+    model = eval_model("roi_heads.score_thresh=0.01", logit_scale=1.0)
+    loader = []
+    for seed in (8, 9):
+        images, targets = random_batch(seed, images=2)
+        loader.append((images, [{"image_id": t["image_id"] + 10 * seed, "orig_size": im.shape[-2:], "scale": (1.0, 1.0)}
+                                for t, im in zip(targets, images)]))
+    ids = {1: 1, 2: 2, 3: 3}
+    eager = run_inference(model, loader, ids, progress=False)
+    static = run_inference(model, loader, ids, progress=False, static=StaticSettings())
+    assert eager.image_ids == static.image_ids
+    for field in ("image_id", "bbox", "score", "category_id"):
+        assert (getattr(eager.detections, field) == getattr(static.detections, field)).all(), field
+    assert len(eager.detections.score) == 4 * model.roi_heads.detections_per_img
+    with caplog.at_level(logging.WARNING):
+        run_inference(model, loader, ids, progress=False, static=StaticSettings(max_candidates=60))
+    assert "4 image(s) had more than eval.static_candidates=60 candidates" in caplog.text
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["eval.static=true"], "'eval.static' needs 'model.canvas_sizes'"),
+    ([CANVAS, "eval.cuda_graphs=true"], "'eval.cuda_graphs' needs 'eval.static: true'"),
+    ([CANVAS, "eval.static=true", "roi_heads.nms.type=soft"], "roi_heads.nms.type=soft"),
+    ([CANVAS, "eval.static=true", "eval.tta.sizes=[96]"], "eval.tta.sizes"),
+    (["eval.static_candidates=0"], "eval.static_candidates"),
+])
+def test_config_refuses_what_static_inference_cannot_do(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[")):
+        load_config(TINY_CONFIG, ["model.num_classes=3", *overrides])
+
+
+def test_cuda_graphs_need_a_cuda_device():
+    with pytest.raises(ValueError, match="'eval.cuda_graphs' needs a CUDA device, got cpu"):
+        StaticDetector(eval_model(), StaticSettings(capture=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp", [False, True])
+def test_captured_graphs_give_the_eager_static_detections(amp):
+    """Each canvas's graph replays the eager static batch (bfloat16 autocast too), and a
+    replay leaves the detections handed out before it untouched."""
+    model = eval_model().cuda()
+    eager_detector = StaticDetector(model, StaticSettings())
+    graphed = StaticDetector(model, StaticSettings(capture=True))
+    batches = [[im.cuda() for im in random_batch(seed, images=2)[0]] for seed in (10, 11, 12)]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        first = graphed(batches[0])
+        kept = [{k: v.clone() for k, v in d.items()} for d in first]
+        for images in batches:
+            assert_equal_detections(eager_detector(images), graphed(images))
+    assert_equal_detections(kept, first)
+    assert len(graphed.graphs) == 1
