@@ -198,10 +198,8 @@ def run_inference(
                 _sync(device)
                 start = time.perf_counter()
                 with _autocast(device, amp, amp_dtype):
-                    if static_detector is not None:
-                        outputs = static_detector(list(images))
-                    else:
-                        outputs = _forward(net, list(images), [t["orig_size"] for t in targets], tta)
+                    outputs = (static_detector(list(images)) if static_detector is not None
+                               else _forward(net, list(images), [t["orig_size"] for t in targets], tta))
                 _sync(device)
                 elapsed = time.perf_counter() - start
                 seconds.extend([elapsed / max(len(images), 1)] * len(images))

@@ -100,7 +100,8 @@ class StaticDetector:
         graph, its input tensors and its outputs. Under autocast the weight casts are
         captured too (``cache_enabled=False``): a cached cast made outside the graph could
         be freed while the graph still reads it."""
-        images_in, sizes_in = batch.clone(), image_sizes.clone()
+        with torch.inference_mode(False):  # plain tensors: later copies may run outside inference mode
+            images_in, sizes_in = batch.clone(), image_sizes.clone()
         device_type = self.device.type
         autocast = torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
                                   enabled=torch.is_autocast_enabled(device_type), cache_enabled=False)
