@@ -1,16 +1,18 @@
 """``detector.evaluation.inference.inference_run``: with ``eval.amp`` a run of batches casts
 each weight once (autocast's weight cache, held open over the run), gives the values of
-casting per batch, and sees weights changed between runs (the trainer's evaluations)."""
+casting per batch, and sees weights changed between runs (the trainer's evaluations); the
+validation loss casts each weight once per loader too."""
 
 from __future__ import annotations
 
 from typing import List, Tuple
 
+import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from detector.evaluation.inference import inference_run
+from detector.evaluation.inference import LOSS_NAMES, compute_val_loss, inference_run
 
 
 class _Net(nn.Module):
@@ -80,3 +82,28 @@ def test_without_amp_the_run_is_inference_mode():
     with inference_run(torch.device("cpu"), amp=True):
         assert not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         assert not torch.is_autocast_enabled("cpu")  # held open, itself off: the loader's work is not autocast
+
+
+class _LossNet(_Net):
+    """``_Net`` as a detector in train mode: images and targets in, the four losses out."""
+
+    def forward(self, images, targets):
+        outs = super().forward(torch.stack(images))
+        return dict(zip(LOSS_NAMES, (outs[0].mean(), outs[1].mean(), outs[0].abs().mean(), outs[1].abs().mean())))
+
+
+def test_validation_loss_casts_each_weight_once_per_loader():
+    torch.manual_seed(0)
+    model = _LossNet()
+    batch = ([torch.rand(3, 24, 20), torch.rand(3, 24, 20)], [{}, {}])
+    with profile(activities=[ProfilerActivity.CPU]) as one:
+        single = compute_val_loss(model, [batch], amp=True, amp_dtype=torch.bfloat16, progress=False)
+    with profile(activities=[ProfilerActivity.CPU]) as three:
+        triple = compute_val_loss(model, [batch] * 3, amp=True, amp_dtype=torch.bfloat16, progress=False)
+    casts = [sum(e.count for e in p.key_averages() if e.key == "aten::_to_copy") for p in (one, three)]
+    weights = len(list(model.parameters()))
+    assert casts[0] >= weights
+    assert casts[1] - casts[0] == 2 * (casts[0] - weights)  # later batches cast their inputs, not the weights
+    assert triple["count"] == 3 * single["count"]
+    for k in LOSS_NAMES:
+        assert triple["sum"][k] == pytest.approx(3 * single["sum"][k], rel=1e-6)

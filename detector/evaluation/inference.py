@@ -264,6 +264,8 @@ def compute_val_loss(
     The model runs in train mode under ``torch.no_grad()`` with its norm layers in eval
     mode; the RNG state (proposal/RoI sampling draws from it) is saved and restored so
     an evaluation during training does not change the training run's random stream.
+    With ``amp`` each weight is cast once for the whole loader, as in
+    :func:`inference_run` (an autocast context, itself off, held open around the batches).
 
     Returns:
         ``{"sum": {loss_name: sum over images of the per-batch loss x batch size},
@@ -274,7 +276,8 @@ def compute_val_loss(
     sums = {k: 0.0 for k in LOSS_NAMES}
     count = 0
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), train_mode_with_frozen_norm(net), torch.no_grad():
+    with torch.random.fork_rng(devices=devices), train_mode_with_frozen_norm(net), torch.no_grad(), \
+            torch.autocast(device_type=device.type, enabled=False):
         bar = tqdm(loader, desc="val loss", disable=not progress, dynamic_ncols=True, mininterval=1.0)
         for images, targets in bar:
             with _autocast(device, amp, amp_dtype):
