@@ -74,10 +74,12 @@ class StaticDetector:
                              f"model.canvas_sizes {[list(c) for c in canvases]}: add a larger one")
         image_sizes = torch.tensor(sizes, dtype=torch.int64).to(self.device, non_blocking=True)
         dets = self._replay(batch, image_sizes) if self.settings.capture else self._run(batch, image_sizes)
-        flags = torch.stack((dets.truncated, dets.nms_unconverged)).sum(dim=1).tolist()
-        self.truncated_images += int(flags[0])
-        self.unconverged_images += int(flags[1])
-        return detections_list(dets)
+        # One host read per batch: the detections per image and the two flags' counts.
+        flags = torch.stack((dets.truncated, dets.nms_unconverged)).sum(dim=1)
+        read = torch.cat((dets.valid.sum(dim=1), flags)).tolist()
+        self.truncated_images += read[-2]
+        self.unconverged_images += read[-1]
+        return detections_list(dets, read[:-2])
 
     def _run(self, batch: Tensor, image_sizes: Tensor) -> StaticDetections:
         s = self.settings

@@ -27,7 +27,7 @@ Shapes: B images, P proposal slots, K foreground classes, D = ``detections_per_i
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -135,9 +135,10 @@ def static_detect(model: torch.nn.Module, images: Tensor, image_sizes: Tensor, m
     return dets._replace(nms_unconverged=dets.nms_unconverged | proposal_unconverged)
 
 
-def detections_list(dets: StaticDetections) -> List[Dict[str, Tensor]]:
+def detections_list(dets: StaticDetections, counts: Optional[List[int]] = None) -> List[Dict[str, Tensor]]:
     """``StaticDetections`` -> per image ``{"boxes": [M, 4], "scores": [M], "labels": [M]}``
-    (the eval forward's result), reading the counts on the host once."""
-    counts = dets.valid.sum(dim=1).tolist()
+    (the eval forward's result). ``counts``: each image's M, already read on the host;
+    None reads them (one host sync)."""
+    counts = dets.valid.sum(dim=1).tolist() if counts is None else counts
     return [{"boxes": dets.boxes[i, :m], "scores": dets.scores[i, :m], "labels": dets.labels[i, :m]}
             for i, m in enumerate(counts)]
