@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.static_check import SyncCounter
 from detector.config import ConfigError, load_config
@@ -76,18 +77,36 @@ def test_cut_candidates_keep_the_eager_prefix_and_flag_the_image():
     assert_equal_detections(eager, detections_list(generous))
 
 
-def test_a_batch_reads_nothing_on_the_host():
+class HostData(TorchDispatchMode):
+    """Names the operators that bring host data into a tensor (``torch.tensor`` of Python
+    values, a copy to another device): on CUDA each is a host-to-device copy, which a
+    CUDA graph cannot capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default) or (
+                func == torch.ops.aten._to_copy.default and "device" in kwargs):
+            self.names.append(str(func))
+        return func(*args, **kwargs)
+
+
+def test_a_batch_reads_nothing_on_the_host_and_copies_nothing_to_the_device():
     model = eval_model()
     images, _ = random_batch(5, images=2)
     with torch.no_grad():
         batch, sizes = model.preprocess(images)
         sizes = torch.tensor(sizes)
-        with SyncCounter() as eager:
+        with SyncCounter() as eager, HostData() as eager_data:
             model(images)
-        with SyncCounter() as static:
+        with SyncCounter() as static, HostData() as static_data:
             static_detect(model, batch, sizes, 4096)
-    assert eager.count > 0  # the counter sees the eager forward's reads
+    assert eager.count > 0 and eager_data.names  # the counters see the eager forward's
     assert static.count == 0, static.names
+    assert not static_data.names
 
 
 def test_run_inference_with_eval_static_scores_as_eager(caplog):
