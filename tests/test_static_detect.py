@@ -148,16 +148,18 @@ def test_cuda_graphs_need_a_cuda_device():
 @pytest.mark.gpu
 @pytest.mark.parametrize("amp", [False, True])
 def test_captured_graphs_give_the_eager_static_detections(amp):
-    """Each canvas's graph replays the eager static batch (bfloat16 autocast too), and a
-    replay leaves the detections handed out before it untouched."""
+    """Each batch shape's graph replays the eager static batch (bfloat16 autocast too),
+    in any order over graphs that share one memory pool, and a replay leaves the
+    detections handed out before it untouched."""
     model = eval_model().cuda()
     eager_detector = StaticDetector(model, StaticSettings())
     graphed = StaticDetector(model, StaticSettings(capture=True))
-    batches = [[im.cuda() for im in random_batch(seed, images=2)[0]] for seed in (10, 11, 12)]
+    sizes = (2, 1, 2, 1, 1, 2)  # two graphs (2 images, 1 image), replayed alternately
+    batches = [[im.cuda() for im in random_batch(10 + i, images=n)[0]] for i, n in enumerate(sizes)]
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
         first = graphed(batches[0])
         kept = [{k: v.clone() for k, v in d.items()} for d in first]
         for images in batches:
             assert_equal_detections(eager_detector(images), graphed(images))
     assert_equal_detections(kept, first)
-    assert len(graphed.graphs) == 1
+    assert len(graphed.graphs) == 2

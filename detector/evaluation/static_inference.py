@@ -63,6 +63,7 @@ class StaticDetector:
         if settings.capture and self.device.type != "cuda":
             raise ValueError(f"config key 'eval.cuda_graphs' needs a CUDA device, got {self.device}")
         self.graphs: Dict[Tuple[int, ...], Tuple["torch.cuda.CUDAGraph", Tensor, Tensor, StaticDetections]] = {}
+        self.pool = None  # one memory pool for all of its graphs (see _capture)
         self.truncated_images = 0
         self.unconverged_images = 0
 
@@ -101,7 +102,12 @@ class StaticDetector:
         """Warm up on a side stream, then capture ``_run`` on copies of the inputs: the
         graph, its input tensors and its outputs. Under autocast the weight casts are
         captured too (``cache_enabled=False``): a cached cast made outside the graph could
-        be freed while the graph still reads it."""
+        be freed while the graph still reads it.
+
+        The graphs share one memory pool, whatever order they replay in: a capture reuses
+        only blocks free at that time, and what a graph reads before writing (its inputs,
+        allocated outside the pool, and its outputs, kept referenced here) is never free;
+        each replay's outputs are copied before the next replay."""
         with torch.inference_mode(False):  # plain tensors: later copies may run outside inference mode
             images_in, sizes_in = batch.clone(), image_sizes.clone()
         device_type = self.device.type
@@ -113,8 +119,10 @@ class StaticDetector:
             for _ in range(WARMUP_RUNS):
                 self._run(images_in, sizes_in)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), autocast:
+        with torch.cuda.graph(graph, pool=self.pool), autocast:
             outputs = self._run(images_in, sizes_in)
         return graph, images_in, sizes_in, outputs
 
