@@ -150,7 +150,7 @@ def test_cuda_graphs_need_a_cuda_device():
 def test_captured_graphs_give_the_eager_static_detections(amp):
     """Each batch shape's graph replays the eager static batch (bfloat16 autocast too),
     in any order over graphs that share one memory pool, and a replay leaves the
-    detections handed out before it untouched."""
+    detections handed out before it untouched; a batch that fits no canvas runs uncaptured."""
     model = eval_model().cuda()
     eager_detector = StaticDetector(model, StaticSettings())
     graphed = StaticDetector(model, StaticSettings(capture=True))
@@ -161,5 +161,7 @@ def test_captured_graphs_give_the_eager_static_detections(amp):
         kept = [{k: v.clone() for k, v in d.items()} for d in first]
         for images in batches:
             assert_equal_detections(eager_detector(images), graphed(images))
+        large = [torch.randint(0, 256, (3, 120, 100), dtype=torch.uint8, device="cuda")]  # fits no canvas
+        assert_equal_detections(eager_detector(large), graphed(large))
     assert_equal_detections(kept, first)
-    assert len(graphed.graphs) == 2
+    assert len(graphed.graphs) == 2 and graphed.uncaptured_shapes == {(128, 128)}

@@ -4,8 +4,8 @@
 ``StaticDetector(images)`` returns what ``model(images)`` returns in eval mode (the same
 detections, ``tests/test_static_detect.py``), but the batch runs with fixed shapes and
 without a host read until its detections are unpacked (one read of the counts). With
-``capture=True`` (CUDA only) the first batch of each shape ``(B, H, W)`` is run a few
-times on a side stream and captured into a ``torch.cuda.CUDAGraph``; each later batch of
+``capture=True`` (CUDA only) the first batch of each shape ``(B, H, W)`` on a canvas of
+``model.canvas_sizes`` is run a few times on a side stream and captured into a ``torch.cuda.CUDAGraph``; each later batch of
 that shape copies its images into the graph's input tensors and replays it, so a batch
 costs one graph launch on the host instead of about 2,700 operator calls (R50-FPN).
 
@@ -17,7 +17,7 @@ weight cache is captured), so they stay valid while the weights do not change.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +53,8 @@ class StaticDetector:
         truncated_images: images so far whose candidates ``max_candidates`` cut
             (``StaticDetections.truncated``).
         unconverged_images: images so far with an NMS that did not converge.
+        uncaptured_shapes: with ``capture``, the batch shapes ``(H, W)`` that fit no canvas
+            of ``model.canvas_sizes`` and so ran uncaptured (same detections, slower).
     """
 
     def __init__(self, model: nn.Module, settings: StaticSettings) -> None:
@@ -66,15 +68,16 @@ class StaticDetector:
         self.pool = None  # one memory pool for all of its graphs (see _capture)
         self.truncated_images = 0
         self.unconverged_images = 0
+        self.uncaptured_shapes: Set[Tuple[int, int]] = set()
 
     def __call__(self, images: List[Tensor]) -> List[Dict[str, Tensor]]:
         batch, sizes = self.model.preprocess(images)
-        canvases = self.model.canvas_sizes
-        if self.settings.capture and tuple(batch.shape[-2:]) not in canvases:
-            raise ValueError(f"a batch of images up to {tuple(batch.shape[-2:])} px fits no canvas of "
-                             f"model.canvas_sizes {[list(c) for c in canvases]}: add a larger one")
         image_sizes = torch.tensor(sizes, dtype=torch.int64).to(self.device, non_blocking=True)
-        dets = self._replay(batch, image_sizes) if self.settings.capture else self._run(batch, image_sizes)
+        on_canvas = tuple(batch.shape[-2:]) in self.model.canvas_sizes
+        if self.settings.capture and not on_canvas:  # the same detections, uncaptured
+            self.uncaptured_shapes.add(tuple(batch.shape[-2:]))
+        capture = self.settings.capture and on_canvas
+        dets = self._replay(batch, image_sizes) if capture else self._run(batch, image_sizes)
         # One host read per batch: the detections per image and the two flags' counts.
         flags = torch.stack((dets.truncated, dets.nms_unconverged)).sum(dim=1)
         read = torch.cat((dets.valid.sum(dim=1), flags)).tolist()
@@ -127,7 +130,11 @@ class StaticDetector:
         return graph, images_in, sizes_in, outputs
 
     def report(self) -> None:
-        """One warning line per flag that some image of the run raised."""
+        """One warning line per flag that some image or batch of the run raised."""
+        if self.uncaptured_shapes:
+            logger.warning("eval.cuda_graphs: batches of %s px fit no canvas of model.canvas_sizes %s and ran "
+                           "uncaptured (the same detections, slower); add canvases that hold them",
+                           sorted(self.uncaptured_shapes), [list(c) for c in self.model.canvas_sizes])
         if self.truncated_images:
             logger.warning("eval.static: %d image(s) had more than eval.static_candidates=%d candidates and kept "
                            "fewer than roi_heads.detections_per_img among them: their detections may lack some "
