@@ -38,7 +38,7 @@ def eval_model(*overrides: str, logit_scale: float = 200.0):
 def static_of(model, images, max_candidates: int = 4096):
     with torch.no_grad():
         batch, sizes = model.preprocess(images)
-        return static_detect(model, batch, torch.tensor(sizes), max_candidates)
+        return static_detect(model, batch, torch.tensor(sizes, device=batch.device), max_candidates)
 
 
 def assert_equal_detections(eager, static, prefix: bool = False, tol: float = 0.0):
@@ -52,9 +52,10 @@ def assert_equal_detections(eager, static, prefix: bool = False, tol: float = 0.
             torch.testing.assert_close(e[key][:n], s[key], rtol=tol, atol=tol, msg=key)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("seed,thresh", [(1, 0.05), (2, 0.3), (3, 0.7)])
-def test_static_detections_equal_the_eager_forward(seed, thresh):
-    model = eval_model(f"roi_heads.score_thresh={thresh}")
+def test_static_detections_equal_the_eager_forward(seed, thresh, device):
+    model = eval_model(f"roi_heads.score_thresh={thresh}").to(device)
     images, _ = random_batch(seed, images=3)
     with torch.no_grad():
         eager = model(images)
