@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile
 
 from detector.engine.step import AmpSettings, TrainStep
 
@@ -100,6 +101,21 @@ def test_clipping_scales_gradients_to_the_limit():
             p -= 0.1 * p.grad  # first SGD step: momentum buffer = grad
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_a_limit_above_the_norm_changes_no_bit_and_multiplies_nothing():
+    """Clipping runs only where it scales: under the limit the step is the unclipped one
+    to the bit (torch's factor would be exactly 1), with no multiply of the gradients."""
+    runs = {}
+    for clip in (0.0, 1e6, 0.01):
+        model, opt, sched, step = make(clip=clip)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = step(*batch(0))
+        muls = sum(e.count for e in prof.key_averages() if e.key in ("aten::_foreach_mul_", "aten::mul_"))
+        runs[clip] = ([p.detach().clone() for p in model.parameters()], muls, out.grad_norm)
+    assert runs[1e6][1] == 0 and runs[0.01][1] > 0 and runs[0.01][2] > 0.01
+    assert all(torch.equal(a, b) for a, b in zip(runs[0.0][0], runs[1e6][0]))
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0.0][0], runs[0.01][0]))
 
 
 def test_float16_scaler_overflow_is_skipped_but_not_nonfinite():

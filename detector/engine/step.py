@@ -212,23 +212,27 @@ class TrainStep:
             grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True).float()
         else:
             grad_norm = torch.zeros((), device=self.device)
-        if self.clip_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.clip_grad_norm, grad_norm, foreach=True)
-        # A non-finite gradient makes the norm non-finite.
+        # A non-finite gradient makes the norm non-finite. The last flag: the gradients need
+        # clipping (clip_grads_with_norm_'s factor max / (norm + 1e-6) below 1; at or above 1
+        # it multiplies by exactly 1, so skipping it then changes no bit).
+        clip = self.clip_grad_norm / (grad_norm + 1e-6) < 1 if self.clip_grad_norm > 0 else self._zero_one[0] > 0
         flags = torch.stack([
             (~torch.isfinite(total)).float(),
             (~torch.isfinite(grad_norm)).float(),
             self._zero_one[int(stop_requested)],
+            clip.float(),
         ])
         if self.world_size > 1:
             dist.all_reduce(flags)
-        bad_loss, bad_grads, stop = (flags > 0).tolist()  # the one host read-back of the iteration
+        bad_loss, bad_grads, stop, clip_needed = (flags > 0).tolist()  # the one host read-back of the iteration
         skipped = bad_loss or bad_grads
         nonfinite = bad_loss or (bad_grads and not self.scaler.is_enabled())
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
             self.buffers.restore()
         else:
+            if clip_needed:
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.clip_grad_norm, grad_norm, foreach=True)
             # The gradients are unscaled and known finite: step the optimizer directly
             # (GradScaler.step would read its inf flag back a second time).
             self.optimizer.step()
