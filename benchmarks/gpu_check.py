@@ -29,7 +29,8 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
   scale on the device), inference with the backbone compiled at canvases, then the
   recipe's training loader alone (``--task data``: decode, multi-scale resize, flip,
   collate; its 4 workers) on generated JPEGs of COCO's sizes, to set its images/s beside
-  the step's, and the compiled backbone.
+  the step's, the graphed inference with half the default ``eval.static_candidates``, and
+  the compiled backbone.
 
 It writes ``gpu-report.json`` (every result, the benchmarks' JSON included) and prints
 a short text table. A call with ``--only`` or ``--rest`` merges its results into the
@@ -204,6 +205,9 @@ def plan() -> List[Run]:
         _bench("infer-r50-eval-amp-compiled-backbone", "infer", 150, "eval.amp=true", "train.compile_backbone=true",
                CANVAS_R50_43, iters=10, warmup=3),
         _loader("data-r50-loader", 60),
+        # The detection NMS's share of the graphed batch: half the default candidates.
+        _bench("infer-r50-static-graphs-amp-1k", "infer", 90, "eval.amp=true", "eval.static=true",
+               "eval.cuda_graphs=true", "eval.static_candidates=1024", CANVAS_R50_43, iters=10, warmup=3),
         _bench("train-r50-compiled-backbone-bf16-2img", "train", 150, "train.compile_backbone=true", CANVAS_R50,
                *BF16, two, iters=10, warmup=3),
     ]

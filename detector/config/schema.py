@@ -393,10 +393,10 @@ class EvalConfig:
     # as one CUDA graph per batch shape (CUDA only).
     static: bool = False
     cuda_graphs: bool = False
-    # eval.static: (RoI, class) candidates per image, best first, that enter the NMS; an
-    # image with more that keeps fewer than roi_heads.detections_per_img is counted and
-    # reported after the run.
-    static_candidates: int = field_(4096, ge=1, le=1000000)
+    # eval.static: (RoI, class) candidates per image, best first, that enter the NMS (its
+    # cost grows with the square); an image with more that keeps fewer than
+    # roi_heads.detections_per_img is counted and reported after the run.
+    static_candidates: int = field_(2048, ge=1, le=1000000)
 
 
 @dataclass

@@ -32,7 +32,7 @@ WARMUP_RUNS = 2
 class StaticSettings(NamedTuple):
     """``eval.static_candidates``, ``rpn.nms_max_iters`` and ``eval.cuda_graphs``."""
 
-    max_candidates: int = 4096
+    max_candidates: int = 2048
     nms_max_iters: int = DEFAULT_MAX_ITERS
     capture: bool = False
 
