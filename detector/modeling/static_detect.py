@@ -83,8 +83,8 @@ def static_detections(roi_heads: ROIHeads, class_logits: Tensor, box_deltas: Ten
     check_static_heads(roi_heads)
     num_images, slots = proposals_valid.shape
     classes = class_logits.shape[1] - 1
-    probs = torch.softmax(class_logits.float(), dim=-1).view(num_images, slots * (classes + 1))
-    scores = probs.view(num_images, slots, classes + 1)[..., 1:].reshape(num_images, -1)  # [B, P*K]
+    probs = torch.softmax(class_logits.float(), dim=-1).view(num_images, slots, classes + 1)
+    scores = probs[..., 1:].reshape(num_images, -1)  # [B, P*K], RoI-major
     deltas = box_deltas.float().view(num_images * slots, classes + 1, 4)[:, 1:].reshape(num_images * slots, -1)
     boxes = roi_heads.box_coder.decode(deltas, proposals.reshape(-1, 4).float()).view(num_images, -1, 4)
     boxes = clip_to_sizes(boxes, image_sizes)  # [B, P*K, 4]
