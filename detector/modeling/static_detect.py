@@ -5,7 +5,7 @@ tensors with a validity mask, so that a batch of one canvas (``model.canvas_size
 without reading anything on the host and can be captured in a CUDA graph
 (``evaluation.static_inference``). Every shape depends on the batch shape and the config.
 
-- Proposals: ``static_rpn.static_proposals`` in eval mode (the test top-k).
+- Proposals: ``static_rpn.static_backbone_and_proposals`` in eval mode (the test top-k).
 - Pooling and box head: every proposal slot, padding included (``static_roi_align``:
   each RoI's values are the eager pooler's).
 - Detections (``static_detections``): ``ROIHeads.detections_of_image`` for every
@@ -34,9 +34,8 @@ from torch import Tensor
 
 from .nms import DEFAULT_MAX_ITERS, static_nms
 from .roi_heads import ROIHeads
-from .rpn import flatten_head_outputs
 from .static_roi_heads import static_roi_align
-from .static_rpn import clip_to_sizes, static_proposals
+from .static_rpn import clip_to_sizes, static_backbone_and_proposals
 
 
 class StaticDetections(NamedTuple):
@@ -119,15 +118,10 @@ def static_detect(model: torch.nn.Module, images: Tensor, image_sizes: Tensor, m
         max_candidates: see ``static_detections``.
         nms_max_iters: ``static_nms``'s bound (``rpn.nms_max_iters``).
     """
-    features = model.backbone(images)
-    feature_list: List[Tensor] = list(features.values())
-    rpn = model.rpn
-    logits, deltas = flatten_head_outputs(*rpn.head(feature_list))
-    feature_sizes = [tuple(f.shape[-2:]) for f in feature_list]
-    anchors = rpn.anchor_generator(tuple(images.shape[-2:]), feature_sizes, images.device, torch.float32)
-    props = static_proposals(rpn, anchors, logits, deltas, image_sizes, nms_max_iters)
-    heads = model.roi_heads
-    pooled = static_roi_align(heads.box_roi_pool, [features[n] for n in model.backbone.pooled_levels], props.boxes)
+    front = static_backbone_and_proposals(model, images, image_sizes, nms_max_iters)
+    props, heads = front.proposals, model.roi_heads
+    pooled = static_roi_align(heads.box_roi_pool, [front.features[n] for n in model.backbone.pooled_levels],
+                              props.boxes)
     class_logits, box_deltas = heads.box_predictor(heads.box_head(pooled))
     dets = static_detections(heads, class_logits, box_deltas, props.boxes, props.valid, image_sizes,
                              max_candidates, nms_max_iters)

@@ -19,7 +19,7 @@ Two parts:
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -27,9 +27,8 @@ from torch import Tensor
 from .faster_rcnn import FasterRCNN, check_inputs
 from .matching import PAD_BOX
 from .nms import DEFAULT_MAX_ITERS
-from .rpn import flatten_head_outputs
 from .static_roi_heads import static_roi_losses
-from .static_rpn import static_proposals
+from .static_rpn import static_backbone_and_proposals
 
 logger = logging.getLogger(__name__)
 
@@ -104,17 +103,11 @@ def static_losses(model: FasterRCNN, batch: StaticBatch,
         and level did not converge within ``nms_max_iters``. Read the last two at
         logging points only.
     """
-    features = model.backbone(batch.images)
-    feature_list: List[Tensor] = list(features.values())
-    rpn = model.rpn
-    logits, deltas = flatten_head_outputs(*rpn.head(feature_list))
-    feature_sizes = [tuple(f.shape[-2:]) for f in feature_list]
-    anchors = rpn.anchor_generator(tuple(batch.images.shape[-2:]), feature_sizes, batch.images.device,
-                                   torch.float32)
-    props = static_proposals(rpn, anchors, logits, deltas, batch.image_sizes, nms_max_iters)
+    features, anchors, logits, deltas, props = static_backbone_and_proposals(model, batch.images, batch.image_sizes,
+                                                                             nms_max_iters)
     gt_boxes = batch.gt_boxes.float()
-    rpn_losses, rpn_stats = rpn.padded_losses_and_stats(torch.cat(anchors), torch.cat(logits, 1).float(), torch.cat(deltas, 1).float(),
-                                   gt_boxes, batch.gt_valid)
+    rpn_losses, rpn_stats = model.rpn.padded_losses_and_stats(torch.cat(anchors), torch.cat(logits, 1).float(),
+                                                              torch.cat(deltas, 1).float(), gt_boxes, batch.gt_valid)
     pooled = [features[name] for name in model.backbone.pooled_levels]
     roi_losses, roi_stats = static_roi_losses(model.roi_heads, pooled, props.boxes, props.valid, gt_boxes, batch.gt_labels,
                                    batch.gt_valid)

@@ -1,10 +1,13 @@
 """The RPN's proposals with fixed shapes and no host synchronisation (the static step).
 
-``static_proposals`` selects what ``RegionProposalNetwork.propose`` selects (with the
-training top-k in training mode, the test top-k in eval mode: ``eval.static``): top-k per level, decode, clip, small-box and score filters, NMS per level, the best
-``post_nms_topk`` of the image), but returns a fixed number of slots per image with a
+``static_proposals`` selects what ``RegionProposalNetwork.propose`` selects, with the
+training top-k in training mode and the test top-k in eval mode (``eval.static``): top-k
+per level, decode, clip, small-box and score filters, NMS per level, the best
+``post_nms_topk`` of the image. It returns a fixed number of slots per image with a
 validity mask instead of a list of data-dependent lengths. Every shape depends on the
 batch shape (a canvas of ``model.canvas_sizes``) and the config only.
+``static_backbone_and_proposals`` runs the model up to them (the static training step's
+and the static inference's common front).
 
 Shapes: B images, L levels, ``k_l = min(pre_nms_topk, T_l)`` candidates of level l,
 ``K = max_l k_l``, ``P = min(post_nms_topk, L * min(post_nms_topk, K))`` proposals.
@@ -12,13 +15,13 @@ Shapes: B images, L levels, ``k_l = min(pre_nms_topk, T_l)`` candidates of level
 
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import Dict, List, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .nms import DEFAULT_MAX_ITERS, static_nms
-from .rpn import RegionProposalNetwork
+from .rpn import RegionProposalNetwork, flatten_head_outputs
 
 
 class StaticProposals(NamedTuple):
@@ -107,3 +110,29 @@ def static_proposals(rpn: RegionProposalNetwork, anchors: List[Tensor], logits: 
     out_b = kept_b.gather(1, order[:, :, None].expand(-1, -1, 4))
     out_valid = res.valid.view(num_images, -1).gather(1, order)
     return StaticProposals(out_b, out_valid, res.unconverged)
+
+
+class StaticFront(NamedTuple):
+    """``static_backbone_and_proposals``' result: the backbone's ``features`` by level
+    name, the RPN's per-level ``anchors`` ``[T_l, 4]``, ``logits`` ``[B, T_l]`` and
+    ``deltas`` ``[B, T_l, 4]``, and the ``proposals``."""
+
+    features: Dict[str, Tensor]
+    anchors: List[Tensor]
+    logits: List[Tensor]
+    deltas: List[Tensor]
+    proposals: StaticProposals
+
+
+def static_backbone_and_proposals(model: torch.nn.Module, images: Tensor, image_sizes: Tensor,
+                                  nms_max_iters: int = DEFAULT_MAX_ITERS) -> StaticFront:
+    """A ``FasterRCNN``'s backbone, RPN head, anchors and ``static_proposals`` (by the RPN's
+    mode) for a padded batch ``images`` ``[B, 3, H, W]`` with ``image_sizes`` ``[B, 2]``."""
+    features = model.backbone(images)
+    feature_list: List[Tensor] = list(features.values())
+    rpn = model.rpn
+    logits, deltas = flatten_head_outputs(*rpn.head(feature_list))
+    feature_sizes = [tuple(f.shape[-2:]) for f in feature_list]
+    anchors = rpn.anchor_generator(tuple(images.shape[-2:]), feature_sizes, images.device, torch.float32)
+    props = static_proposals(rpn, anchors, logits, deltas, image_sizes, nms_max_iters)
+    return StaticFront(features, anchors, logits, deltas, props)
