@@ -24,8 +24,8 @@ that no longer fits is recorded as skipped, with the ``--only`` call that runs i
   images), the proposal NMS alone (``--task nms``: torchvision's per-image
   ``batched_nms`` against ``static_nms``'s kernel and its blocked resolution), inference
   with ``eval.amp`` (profiled: the host's operators too, since that step is bound by
-  dispatch) and with ``eval.static`` and ``eval.cuda_graphs`` (one graph per canvas), the static step (and its operators per step against torchvision's,
-  ``--count-ops``), eager float16 (profiled) and the CUDA-graph step in float16 (its loss
+  dispatch) and with ``eval.static`` and ``eval.cuda_graphs`` (one graph per canvas), the
+  static step (and its operators per step against torchvision's, ``--count-ops``), eager float16 (profiled) and the CUDA-graph step in float16 (its loss
   scale on the device), inference with the backbone compiled at canvases, then the
   recipe's training loader alone (``--task data``: decode, multi-scale resize, flip,
   collate; its 4 workers) on generated JPEGs of COCO's sizes, to set its images/s beside

@@ -5,9 +5,10 @@
 detections, ``tests/test_static_detect.py``), but the batch runs with fixed shapes and
 without a host read until its detections are unpacked (one read of the counts). With
 ``capture=True`` (CUDA only) the first batch of each shape ``(B, H, W)`` on a canvas of
-``model.canvas_sizes`` is run a few times on a side stream and captured into a ``torch.cuda.CUDAGraph``; each later batch of
-that shape copies its images into the graph's input tensors and replays it, so a batch
-costs one graph launch on the host instead of about 2,700 operator calls (R50-FPN).
+``model.canvas_sizes`` is run a few times on a side stream and captured into a
+``torch.cuda.CUDAGraph``; each later batch of that shape copies its images into the
+graph's input tensors and replays it, so a batch costs one graph launch on the host
+instead of about 2,700 operator calls (R50-FPN).
 
 A detector lives for one inference run (``run_inference`` builds it): its graphs read the
 model's weights in place, and under autocast they cast them inside the graph (no autocast
@@ -17,12 +18,12 @@ weight cache is captured), so they stay valid while the weights do not change.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, NamedTuple, Set, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from detector.modeling.nms import DEFAULT_MAX_ITERS
+from detector.config import Config, EvalConfig, RPNConfig
 from detector.modeling.static_detect import StaticDetections, check_static_heads, detections_list, static_detect
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,12 @@ WARMUP_RUNS = 2
 class StaticSettings(NamedTuple):
     """``eval.static_candidates``, ``rpn.nms_max_iters`` and ``eval.cuda_graphs``."""
 
-    max_candidates: int = 2048
-    nms_max_iters: int = DEFAULT_MAX_ITERS
+    max_candidates: int = EvalConfig.static_candidates
+    nms_max_iters: int = RPNConfig.nms_max_iters
     capture: bool = False
 
 
-def static_settings(cfg) -> "StaticSettings | None":
+def static_settings(cfg: Config) -> Optional[StaticSettings]:
     """The config's ``StaticSettings``, or None when ``eval.static`` is off."""
     if not cfg.eval.static:
         return None
